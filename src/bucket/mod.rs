@@ -1,0 +1,368 @@
+//! The shared token bucket: [`SharedTokenBucket`] and its configuration.
+//!
+//! This is the only lock-free core of the crate; everything else (the async [`Throttle`], the
+//! dispatcher, the checkpoints) is built on it and it uses nothing of theirs. The design, its
+//! invariants and the orderings are described in `docs/design.md`, included below.
+//!
+//! [`Throttle`]: crate::throttle
+#![doc = include_str!("../../docs/design.md")]
+
+mod mode;
+mod rate;
+mod rate_cell;
+mod rovers;
+
+use std::fmt;
+use std::time::Duration;
+
+pub use mode::{Capped, Mode, Uncapped};
+pub use rate::Rate;
+
+use crate::clock::{Clock, MonotonicClock};
+use crate::error::ConfigError;
+use rovers::{ahead, Rovers, MAX_TIMESTAMP};
+
+/// What a bucket is made from: a rate, a limit and a replenish threshold.
+///
+/// `Copy`, checked when a bucket is built from it.
+///
+/// ```
+/// use iothrottle::{BucketConfig, Rate};
+///
+/// let cfg = BucketConfig::new(Rate::per_second(1_000), 100).with_threshold(10);
+/// assert_eq!(cfg.limit(), 100);
+/// assert!(BucketConfig::new(Rate::per_second(1_000), 100).with_threshold(101).validate().is_err());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct BucketConfig {
+    rate: Rate,
+    limit: u64,
+    threshold: u64,
+}
+
+impl BucketConfig {
+    /// The largest limit: 2^62 tokens, so that a full bucket plus a queue of claimed tokens as
+    /// large again stays within the 2^63 that wrapping comparisons allow.
+    pub const MAX_LIMIT: u64 = 1 << 62;
+
+    /// `rate`, and at most `limit` tokens in the bucket. The threshold defaults to 1.
+    pub const fn new(rate: Rate, limit: u64) -> Self {
+        BucketConfig {
+            rate,
+            limit,
+            threshold: 1,
+        }
+    }
+
+    /// A replenish that would add fewer than `threshold` tokens does nothing and lets the time
+    /// keep accruing (saves the CAS when replenish is called very often). Must be in
+    /// `1..=limit`.
+    pub const fn with_threshold(mut self, threshold: u64) -> Self {
+        self.threshold = threshold;
+        self
+    }
+
+    /// The rate.
+    pub const fn rate(&self) -> Rate {
+        self.rate
+    }
+
+    /// The most tokens the bucket can hold.
+    pub const fn limit(&self) -> u64 {
+        self.limit
+    }
+
+    /// The replenish threshold.
+    pub const fn threshold(&self) -> u64 {
+        self.threshold
+    }
+
+    /// Checks the configuration; every problem is a [`ConfigError`].
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.rate.validate()?;
+        if self.limit == 0 {
+            return Err(ConfigError::ZeroLimit);
+        }
+        if self.limit > Self::MAX_LIMIT {
+            return Err(ConfigError::LimitTooLarge {
+                limit: self.limit,
+                max: Self::MAX_LIMIT,
+            });
+        }
+        if self.threshold == 0 || self.threshold > self.limit {
+            return Err(ConfigError::ThresholdOutOfRange {
+                threshold: self.threshold,
+                limit: self.limit,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The rovers' positions, as saved by [`SharedTokenBucket::snapshot`] and restored by
+/// [`SharedTokenBucket::from_state`].
+///
+/// Positions are absolute and wrap: only differences mean something.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct BucketState {
+    /// Tokens ever claimed (wrapping).
+    pub tail: u64,
+    /// Tokens ever made available (wrapping).
+    pub head: u64,
+    /// Capped mode: how far `head` may go. `None` for an uncapped bucket.
+    pub ceil: Option<u64>,
+}
+
+impl BucketState {
+    /// Tokens in the bucket (positive) or owed to waiters (negative): `head - tail`.
+    pub fn tokens(&self) -> i64 {
+        ahead(self.head, self.tail)
+    }
+}
+
+/// A token bucket shared by threads without locks: claim with [`grab`](Self::grab), check with
+/// [`deficiency`](Self::deficiency), refill with [`replenish`](Self::replenish).
+///
+/// Three rovers only move forward: `tail` (claimed), `head` (made available) and, in
+/// [`Capped`] mode, `ceil` (completions). A grab never fails and never blocks: it takes a place
+/// in line, and the caller waits until `deficiency` of that place is zero. Waiting is the
+/// caller's business ([`Throttle`](crate::throttle::Throttle) does it asynchronously).
+///
+/// Tokens are issued exactly: between rate changes, the tokens added plus the tokens discarded
+/// by the cap equal `floor(rate × elapsed)` over any sequence of replenishes.
+///
+/// ```
+/// use std::time::Duration;
+/// use iothrottle::{BucketConfig, ManualClock, Rate, SharedTokenBucket, Uncapped};
+///
+/// let clock = ManualClock::new();
+/// let cfg = BucketConfig::new(Rate::per_second(1_000), 100);
+/// let bucket = SharedTokenBucket::<Uncapped, _>::with_clock(cfg, clock.clone())?;
+/// bucket.replenish(); // the first replenish fills the bucket
+/// let mine = bucket.grab(150); // more than there is: 50 are owed
+/// assert_eq!(bucket.deficiency(mine), 50);
+/// assert_eq!(bucket.duration_for(50), Duration::from_millis(50));
+/// clock.advance(Duration::from_millis(50));
+/// bucket.replenish();
+/// assert_eq!(bucket.deficiency(mine), 0);
+/// # Ok::<(), iothrottle::ConfigError>(())
+/// ```
+///
+/// # Memory ordering
+///
+/// The rovers are counters, not locks: seeing `deficiency(t) == 0` does not make other threads'
+/// memory writes visible beyond the bucket's own state. Use your own synchronisation for data.
+pub struct SharedTokenBucket<M: Mode = Uncapped, C: Clock = MonotonicClock> {
+    rovers: Rovers<M>,
+    clock: C,
+}
+
+impl<M: Mode> SharedTokenBucket<M, MonotonicClock> {
+    /// A bucket on a new [`MonotonicClock`]. Empty until the first [`replenish`](Self::replenish),
+    /// which fills it to the limit.
+    pub fn new(config: BucketConfig) -> Result<Self, ConfigError> {
+        Self::with_clock(config, MonotonicClock::new())
+    }
+}
+
+impl<M: Mode, C: Clock> SharedTokenBucket<M, C> {
+    /// A bucket reading time from `clock`. Empty until the first
+    /// [`replenish`](Self::replenish), which fills it to the limit.
+    pub fn with_clock(config: BucketConfig, clock: C) -> Result<Self, ConfigError> {
+        config.validate()?;
+        let rate = config.rate.raw().expect("validated above");
+        Ok(SharedTokenBucket {
+            rovers: Rovers::new(rate, config.limit, config.threshold, 0),
+            clock,
+        })
+    }
+
+    /// A bucket at saved positions, as if replenished now: time accrues from now on.
+    ///
+    /// The state must be one this configuration allows: no more than `limit` tokens, a deficit
+    /// below 2^62, and in capped mode a `ceil` that `head` has not passed (and no `ceil` for an
+    /// uncapped bucket). Checkpoints use this after computing what the downtime earned.
+    pub fn from_state(
+        config: BucketConfig,
+        clock: C,
+        state: BucketState,
+    ) -> Result<Self, ConfigError> {
+        config.validate()?;
+        let tokens = state.tokens();
+        if tokens > config.limit as i64 {
+            return Err(ConfigError::InvalidState {
+                reason: "more tokens than the limit",
+            });
+        }
+        if tokens < -(BucketConfig::MAX_LIMIT as i64) {
+            return Err(ConfigError::InvalidState {
+                reason: "a deficit of 2^62 tokens or more",
+            });
+        }
+        let ceil = match (M::CAPPED, state.ceil) {
+            (true, Some(ceil)) if ahead(state.head, ceil) <= 0 => ceil,
+            (true, Some(_)) => {
+                return Err(ConfigError::InvalidState {
+                    reason: "head is past ceil",
+                })
+            }
+            (true, None) => {
+                return Err(ConfigError::InvalidState {
+                    reason: "a capped bucket needs a ceil",
+                })
+            }
+            (false, Some(_)) => {
+                return Err(ConfigError::InvalidState {
+                    reason: "an uncapped bucket has no ceil",
+                })
+            }
+            (false, None) => 0,
+        };
+        let rate = config.rate.raw().expect("validated above");
+        let now = timestamp(clock.now());
+        Ok(SharedTokenBucket {
+            rovers: Rovers::restored(
+                rate,
+                config.limit,
+                config.threshold,
+                (state.tail, state.head, ceil),
+                now,
+            ),
+            clock,
+        })
+    }
+
+    /// Claims `n` tokens and returns the new tail: the tokens are there once
+    /// `deficiency(tail) == 0`. Never fails, never blocks.
+    ///
+    /// `n` may exceed the limit: the bucket never holds that many at once, but `head` keeps
+    /// moving towards the claimed position, so the claim is met after `duration_for(n)` at the
+    /// latest (the waiter simply waits longer). Claims must stay below 2^62 tokens in total
+    /// ahead of `head`, or the wrapping comparisons break.
+    #[inline]
+    pub fn grab(&self, n: u64) -> u64 {
+        self.rovers.grab(n)
+    }
+
+    /// How many tokens up to position `tail` are not there yet; 0 means they are all there.
+    #[inline]
+    pub fn deficiency(&self, tail: u64) -> u64 {
+        self.rovers.deficiency(tail)
+    }
+
+    /// Tokens in the bucket now, 0 when waiters are owed tokens. A snapshot.
+    pub fn available(&self) -> u64 {
+        self.rovers.available()
+    }
+
+    /// Adds the tokens earned since the last replenish, reading the bucket's clock. Returns how
+    /// many were added.
+    ///
+    /// The first call fills the bucket to the limit. Adds nothing when fewer than the threshold
+    /// were earned (the time keeps accruing), when another thread is replenishing at this moment
+    /// (its replenish covers the same time), or when the bucket is full (tokens over the limit
+    /// are discarded).
+    #[inline]
+    pub fn replenish(&self) -> u64 {
+        self.rovers.replenish(timestamp(self.clock.now()))
+    }
+
+    /// [`replenish`](Self::replenish) at a time the caller already read from the bucket's clock
+    /// (saves a clock read on a hot path).
+    #[inline]
+    pub fn replenish_at(&self, now: Duration) -> u64 {
+        self.rovers.replenish(timestamp(now))
+    }
+
+    /// Gives back `n` grabbed-but-unused tokens; returns how many fitted (the rest would have
+    /// overfilled the bucket and is discarded).
+    ///
+    /// In capped mode the refunded tokens also advance `ceil`: unused tokens were never in
+    /// flight, so they must not hold back the cap.
+    pub fn refund(&self, n: u64) -> u64 {
+        self.rovers.refund(n)
+    }
+
+    /// How long until `n` more tokens accumulate at the current rate, rounded up to the
+    /// nanosecond (never zero for `n > 0`).
+    pub fn duration_for(&self, n: u64) -> Duration {
+        self.rovers.rate().duration_for(n)
+    }
+
+    /// Changes the rate. Takes effect at the next replenish, which applies the new rate to all
+    /// the time since the last replenish; the fraction of a token carried under the old rate is
+    /// dropped.
+    pub fn set_rate(&self, rate: Rate) -> Result<(), ConfigError> {
+        let raw = rate.raw().ok_or_else(|| rate.validate().unwrap_err())?;
+        self.rovers.set_rate(raw);
+        Ok(())
+    }
+
+    /// The current rate (as stored: a period longer than `u64` nanoseconds is not accepted).
+    pub fn rate(&self) -> Rate {
+        self.rovers.rate().to_rate()
+    }
+
+    /// The most tokens the bucket holds.
+    pub fn limit(&self) -> u64 {
+        self.rovers.limit()
+    }
+
+    /// The replenish threshold.
+    pub fn threshold(&self) -> u64 {
+        self.rovers.threshold()
+    }
+
+    /// The bucket's configuration, with the current rate.
+    pub fn config(&self) -> BucketConfig {
+        BucketConfig::new(self.rate(), self.limit()).with_threshold(self.threshold())
+    }
+
+    /// The bucket's clock.
+    pub fn clock(&self) -> &C {
+        &self.clock
+    }
+
+    /// When the last replenish happened on the bucket's clock; `None` before the first.
+    pub fn last_replenish(&self) -> Option<Duration> {
+        self.rovers.last_replenish().map(Duration::from_nanos)
+    }
+
+    /// The rovers' positions, read one after the other (tail first). Other threads may move
+    /// them meanwhile; each value is one the rover really had.
+    pub fn snapshot(&self) -> BucketState {
+        let (tail, head, ceil) = self.rovers.positions();
+        BucketState { tail, head, ceil }
+    }
+}
+
+impl<C: Clock> SharedTokenBucket<Capped, C> {
+    /// Reports `n` tokens' worth of completed work: `ceil` advances, and the next replenish may
+    /// fill up to it. Only a capped bucket has this method.
+    pub fn release(&self, n: u64) {
+        self.rovers.release(n)
+    }
+}
+
+impl<M: Mode, C: Clock> fmt::Debug for SharedTokenBucket<M, C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = self.snapshot();
+        f.debug_struct("SharedTokenBucket")
+            .field("capped", &M::CAPPED)
+            .field("rate", &self.rate())
+            .field("limit", &self.limit())
+            .field("threshold", &self.threshold())
+            .field("state", &state)
+            .finish()
+    }
+}
+
+/// A clock reading in the bucket's nanoseconds (time stops about 292 years after the origin).
+fn timestamp(now: Duration) -> u64 {
+    u64::try_from(now.as_nanos())
+        .unwrap_or(u64::MAX)
+        .min(MAX_TIMESTAMP)
+}
+
+#[cfg(test)]
+mod tests;

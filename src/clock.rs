@@ -1,0 +1,174 @@
+//! Where the time comes from.
+//!
+//! The bucket never reads the system time itself: it asks a [`Clock`]. Production code uses
+//! [`MonotonicClock`]; tests drive a [`ManualClock`] by hand, or use [`TokioClock`] under tokio's
+//! paused time, so that no test has to sleep to check a rate.
+
+use std::fmt;
+use std::time::{Duration, Instant};
+
+use crate::error::ClockError;
+use crate::sync::{Arc, AtomicU64, Ordering};
+
+/// A monotonic source of time.
+///
+/// `now()` is the time elapsed since the clock's own origin. It must never go backwards: two
+/// calls on the same clock (or on clones of it) return non-decreasing values. Timestamps of
+/// different clocks are not comparable.
+pub trait Clock: Send + Sync {
+    /// The time since this clock's origin.
+    fn now(&self) -> Duration;
+}
+
+impl<C: Clock + ?Sized> Clock for &C {
+    fn now(&self) -> Duration {
+        (**self).now()
+    }
+}
+
+impl<C: Clock + ?Sized> Clock for std::sync::Arc<C> {
+    fn now(&self) -> Duration {
+        (**self).now()
+    }
+}
+
+/// The default clock: [`std::time::Instant`], measured from the moment the clock was made.
+///
+/// Copies share the origin, so buckets and shards handed copies of one `MonotonicClock` agree
+/// on the time.
+#[derive(Debug, Clone, Copy)]
+pub struct MonotonicClock {
+    origin: Instant,
+}
+
+impl MonotonicClock {
+    /// A clock whose origin is now.
+    pub fn new() -> Self {
+        MonotonicClock {
+            origin: Instant::now(),
+        }
+    }
+
+    /// The instant this clock counts from.
+    pub fn origin(&self) -> Instant {
+        self.origin
+    }
+}
+
+impl Default for MonotonicClock {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Clock for MonotonicClock {
+    fn now(&self) -> Duration {
+        self.origin.elapsed()
+    }
+}
+
+/// A clock that moves only when told to; clones share one time.
+///
+/// Starts at zero. Time is kept in whole nanoseconds.
+///
+/// ```
+/// use std::time::Duration;
+/// use iothrottle::{Clock, ManualClock};
+///
+/// let clock = ManualClock::new();
+/// let shared = clock.clone();
+/// clock.advance(Duration::from_millis(5));
+/// assert_eq!(shared.now(), Duration::from_millis(5));
+/// assert!(clock.set(Duration::from_millis(1)).is_err()); // never backwards
+/// ```
+#[derive(Clone)]
+pub struct ManualClock {
+    nanos: Arc<AtomicU64>,
+}
+
+impl ManualClock {
+    /// A clock at time zero.
+    pub fn new() -> Self {
+        ManualClock {
+            nanos: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    /// Moves the time forward by `by` (saturating at `u64::MAX` nanoseconds, about 584 years).
+    pub fn advance(&self, by: Duration) {
+        let by = u64::try_from(by.as_nanos()).unwrap_or(u64::MAX);
+        // Relaxed: the clock is a lone counter; whoever needs ordering with other data gets it
+        // from that data's own synchronisation.
+        let _ = self
+            .nanos
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                Some(n.saturating_add(by))
+            });
+    }
+
+    /// Sets the time to `to`, which must not be earlier than the current time.
+    pub fn set(&self, to: Duration) -> Result<(), ClockError> {
+        let to_ns = u64::try_from(to.as_nanos()).map_err(|_| ClockError::OutOfRange { at: to })?;
+        // Relaxed: as in `advance`.
+        self.nanos
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                (to_ns >= n).then_some(to_ns)
+            })
+            .map(|_| ())
+            .map_err(|current| ClockError::WentBackwards {
+                from: Duration::from_nanos(current),
+                to,
+            })
+    }
+}
+
+impl Default for ManualClock {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl fmt::Debug for ManualClock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ManualClock")
+            .field("now", &self.now())
+            .finish()
+    }
+}
+
+impl Clock for ManualClock {
+    fn now(&self) -> Duration {
+        // Relaxed: see `advance`.
+        Duration::from_nanos(self.nanos.load(Ordering::Relaxed))
+    }
+}
+
+/// tokio's clock: [`tokio::time::Instant`], measured from the moment the clock was made.
+///
+/// Under `#[tokio::test(start_paused = true)]` (or [`tokio::time::pause`]) this clock follows
+/// tokio's virtual time, so async tests of rates run instantly and exactly.
+#[derive(Debug, Clone, Copy)]
+pub struct TokioClock {
+    origin: tokio::time::Instant,
+}
+
+impl TokioClock {
+    /// A clock whose origin is tokio's `now`.
+    pub fn new() -> Self {
+        TokioClock {
+            origin: tokio::time::Instant::now(),
+        }
+    }
+}
+
+impl Default for TokioClock {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Clock for TokioClock {
+    fn now(&self) -> Duration {
+        self.origin.elapsed()
+    }
+}
