@@ -145,7 +145,7 @@ impl Clock for ManualClock {
 
 /// tokio's clock: [`tokio::time::Instant`], measured from the moment the clock was made.
 ///
-/// Under `#[tokio::test(start_paused = true)]` (or [`tokio::time::pause`]) this clock follows
+/// Under `#[tokio::test(start_paused = true)]` (or `tokio::time::pause`) this clock follows
 /// tokio's virtual time, so async tests of rates run instantly and exactly.
 #[derive(Debug, Clone, Copy)]
 pub struct TokioClock {

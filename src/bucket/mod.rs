@@ -1,10 +1,8 @@
 //! The shared token bucket: [`SharedTokenBucket`] and its configuration.
 //!
-//! This is the only lock-free core of the crate; everything else (the async [`Throttle`], the
+//! This is the only lock-free core of the crate; everything else (the async throttle, the
 //! dispatcher, the checkpoints) is built on it and it uses nothing of theirs. The design, its
 //! invariants and the orderings are described in `docs/design.md`, included below.
-//!
-//! [`Throttle`]: crate::throttle
 #![doc = include_str!("../../docs/design.md")]
 
 mod mode;
@@ -126,7 +124,7 @@ impl BucketState {
 /// Three rovers only move forward: `tail` (claimed), `head` (made available) and, in
 /// [`Capped`] mode, `ceil` (completions). A grab never fails and never blocks: it takes a place
 /// in line, and the caller waits until `deficiency` of that place is zero. Waiting is the
-/// caller's business ([`Throttle`](crate::throttle::Throttle) does it asynchronously).
+/// caller's business (the async `Throttle` does it without blocking a thread).
 ///
 /// Tokens are issued exactly: between rate changes, the tokens added plus the tokens discarded
 /// by the cap equal `floor(rate × elapsed)` over any sequence of replenishes.
