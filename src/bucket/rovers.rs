@@ -245,10 +245,13 @@ impl<M: Mode> Rovers<M> {
         }
         let (rate, gen) = self.repl.rate.load();
         if !fresh {
-            // The remainder adds less than one token: if even one more cannot reach the
-            // threshold, skip the CAS.
-            let (whole, _) = rate.tokens_in((now - last) as u128);
-            if whole + 1 < self.threshold as u128 {
+            // An estimate without the right: the remainder may be stale or from another rate
+            // generation, which at worst skips a replenish that a later call then makes (the
+            // time keeps accruing). It saves the CAS when nothing is due, e.g. a threshold-1
+            // bucket replenished on every grab.
+            // Relaxed: an estimate; the exact figure is recomputed under the right.
+            let carried = self.repl.rem.load(Ordering::Relaxed);
+            if Self::earned(rate, now - last, carried).0 < self.threshold as u128 {
                 return 0;
             }
         }
@@ -272,11 +275,7 @@ impl<M: Mode> Rovers<M> {
             } else {
                 0
             };
-            let (whole, rem) = rate.tokens_in((now - last) as u128);
-            // rem + carried < 2 × period: at most one more whole token.
-            let frac = rem as u128 + carried as u128;
-            let period = rate.period_ns as u128;
-            (whole + frac / period, (frac % period) as u64)
+            Self::earned(rate, now - last, carried)
         };
         if extra < self.threshold as u128 {
             // Release: gives the right back unchanged.
@@ -290,6 +289,17 @@ impl<M: Mode> Rovers<M> {
         // Release: ends the replenish and publishes the remainder to the next holder.
         self.repl.last.store(now, Ordering::Release);
         added
+    }
+
+    /// Whole tokens earned in `elapsed_ns` with `carried` token-nanoseconds from before, and the
+    /// token-nanoseconds to carry on.
+    fn earned(rate: RawRate, elapsed_ns: u64, carried: u64) -> (u128, u64) {
+        let (whole, rem) = rate.tokens_in(elapsed_ns as u128);
+        // Both below the period (a carried value from another rate may not be: it is only
+        // used for the estimate, so `frac / period` is still a small number).
+        let frac = rem as u128 + carried as u128;
+        let period = rate.period_ns as u128;
+        (whole + frac / period, (frac % period) as u64)
     }
 
     pub(crate) fn rate(&self) -> RawRate {
