@@ -52,3 +52,8 @@ mod sync;
 pub use bucket::{BucketConfig, BucketState, Capped, Mode, Rate, SharedTokenBucket, Uncapped};
 pub use clock::{Clock, ManualClock, MonotonicClock, TokioClock};
 pub use error::{ClockError, ConfigError};
+
+/// The README's examples, compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
