@@ -1,1 +1,25 @@
+//! Loom models of the bucket's atomic protocols, one submodule per protocol.
+//!
+//! Run with
+//! `RUSTFLAGS="--cfg iothrottle_loom" LOOM_MAX_PREEMPTIONS=2 cargo test --release --test loom`
+//! (a separate `CARGO_TARGET_DIR`, e.g. `target/loom`, keeps the normal build intact).
+//!
+//! Each model runs the real `SharedTokenBucket` (its atomics come from `crate::sync`, which is
+//! loom's under `cfg(iothrottle_loom)`) with at most three threads, the main thread included.
+//! Invariants are checked inside the threads while the others run, and exact results after
+//! the joins.
+//!
+//! A note on `snapshot()`: it reads `tail` before `head`, so a snapshot taken while grabbers run
+//! may show `head > tail + limit` (tail read, then a grab and a replenish). The sound in-thread
+//! check is `s1.head ≤ s2.tail + limit` with `s2` taken after `s1`, which [`common::check_bounds`]
+//! does.
+#![cfg(iothrottle_loom)]
 
+mod common;
+
+mod capped;
+mod fresh;
+mod grab;
+mod mixed;
+mod rate;
+mod replenish;

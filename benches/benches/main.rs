@@ -1,1 +1,7 @@
-fn main() {}
+//! The one benchmark target (`harness = false`): each module brings its criterion group.
+//!
+//! Run one group with `cargo bench --bench benches -- <group>`.
+
+mod bucket;
+
+criterion::criterion_main!(bucket::benches);

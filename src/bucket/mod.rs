@@ -327,7 +327,9 @@ impl<M: Mode, C: Clock> SharedTokenBucket<M, C> {
     }
 
     /// The rovers' positions, read one after the other (tail first). Other threads may move
-    /// them meanwhile; each value is one the rover really had.
+    /// them meanwhile; each value is one the rover really had. Because `head` is read after
+    /// `tail`, a snapshot taken while others grab and replenish may show `head - tail` above
+    /// the limit (a replenish that followed a grab); with quiescent threads it is exact.
     pub fn snapshot(&self) -> BucketState {
         let (tail, head, ceil) = self.rovers.positions();
         BucketState { tail, head, ceil }

@@ -1,0 +1,273 @@
+//! The shared token bucket against the floor (a bare atomic) and the competitors, in one group.
+//!
+//! Ids (`bucket/<case>/<threads>`):
+//!
+//! | case | what one op is |
+//! |---|---|
+//! | `iothrottle_grab_deficiency` | `grab(1)` + `deficiency`, a `replenish()` every 64 grabs |
+//! | `atomic_fetch_add_floor` | `AtomicU64::fetch_add` + `load`: the floor |
+//! | `governor_check` | governor direct `RateLimiter::check()` |
+//! | `tokio_semaphore_try_acquire` | `Semaphore::try_acquire()` + `forget`, permits added back every 64 |
+//! | `leaky_bucket_try_acquire` | leaky-bucket `try_acquire(1)` |
+//! | `layout_padded` / `layout_packed` | a replica of grab + deficiency on two rovers, padded apart or in one cache line |
+//!
+//! `1t` runs on the bench thread; `2t` runs two threads (pinned to distinct cores where
+//! possible) on one shared instance, and reports the time per op of one thread: the aggregate
+//! throughput is two ops per reported time. No rate ever throttles: every case measures the
+//! fast path. Ratios are what matter (targets: 1t ≤ 1.3× the floor and ≥ 3× faster than
+//! governor; 2t ≥ 2× governor's aggregate throughput).
+
+use std::hint::black_box;
+use std::num::NonZeroU32;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use criterion::{BenchmarkId, Criterion};
+use crossbeam_utils::CachePadded;
+
+use iothrottle::{BucketConfig, Rate, SharedTokenBucket, Uncapped};
+
+/// Replenish (or add permits back) once every this many ops, as Seastar's I/O queue roughly does.
+const REPLENISH_EVERY: u64 = 64;
+
+/// A bucket that never throttles in a benchmark: the highest rate and the largest limit.
+fn iothrottle_bucket() -> SharedTokenBucket<Uncapped> {
+    let cfg = BucketConfig::new(
+        Rate::per_second(Rate::MAX_PER_SECOND),
+        BucketConfig::MAX_LIMIT,
+    );
+    let b = SharedTokenBucket::<Uncapped>::new(cfg).expect("valid config");
+    b.replenish(); // the first replenish fills the bucket
+    b
+}
+
+fn governor_limiter() -> governor::DefaultDirectRateLimiter {
+    // 10^9 cells per second (one per ns) and the largest burst: never throttles here.
+    let quota = governor::Quota::per_second(NonZeroU32::new(1_000_000_000).unwrap())
+        .allow_burst(NonZeroU32::MAX);
+    governor::RateLimiter::direct(quota)
+}
+
+fn semaphore() -> tokio::sync::Semaphore {
+    tokio::sync::Semaphore::new(tokio::sync::Semaphore::MAX_PERMITS / 2)
+}
+
+fn leaky_bucket() -> leaky_bucket::RateLimiter {
+    let max = usize::MAX >> 2;
+    leaky_bucket::RateLimiter::builder()
+        .max(max)
+        .initial(max)
+        .refill(max)
+        .interval(Duration::from_millis(1))
+        .fair(false)
+        .build()
+}
+
+/// The rovers `tail` and `head` as the core lays them out: each on its own cache line.
+#[derive(Default)]
+struct Padded {
+    tail: CachePadded<AtomicU64>,
+    head: CachePadded<AtomicU64>,
+}
+
+/// The same two rovers in one cache line (as Seastar lays them out).
+#[derive(Default)]
+#[repr(C, align(64))]
+struct Packed {
+    tail: AtomicU64,
+    head: AtomicU64,
+}
+
+/// What a layout replica needs: its two rovers.
+trait Rovers: Send + Sync + Default + 'static {
+    fn tail(&self) -> &AtomicU64;
+    fn head(&self) -> &AtomicU64;
+}
+
+impl Rovers for Padded {
+    fn tail(&self) -> &AtomicU64 {
+        &self.tail
+    }
+    fn head(&self) -> &AtomicU64 {
+        &self.head
+    }
+}
+
+impl Rovers for Packed {
+    fn tail(&self) -> &AtomicU64 {
+        &self.tail
+    }
+    fn head(&self) -> &AtomicU64 {
+        &self.head
+    }
+}
+
+/// grab(1) + deficiency on a layout replica, with `head` advanced every 64 ops like a
+/// replenish. Orderings as in the core.
+#[inline]
+fn replica_op<R: Rovers>(r: &R, i: u64) -> u64 {
+    let tail = r.tail().fetch_add(1, Ordering::AcqRel) + 1;
+    if i % REPLENISH_EVERY == 0 {
+        r.head().fetch_add(REPLENISH_EVERY, Ordering::AcqRel);
+    }
+    let head = r.head().load(Ordering::Acquire);
+    (tail.wrapping_sub(head) as i64).max(0) as u64
+}
+
+/// Runs `op(shared, i)` for `iters` iterations on each of two threads (pinned to distinct cores
+/// where possible) after a common start; returns the slower thread's time, i.e. per-op time of
+/// one thread when divided by `iters`.
+fn two_threads<S, F>(shared: &Arc<S>, iters: u64, op: F) -> Duration
+where
+    S: Send + Sync + 'static,
+    F: Fn(&S, u64) + Send + Sync + Copy + 'static,
+{
+    let cores = core_affinity::get_core_ids().unwrap_or_default();
+    let barrier = Arc::new(Barrier::new(2));
+    let handles: Vec<_> = (0..2)
+        .map(|t| {
+            let shared = Arc::clone(shared);
+            let barrier = Arc::clone(&barrier);
+            let core = (cores.len() >= 2).then(|| cores[t]);
+            std::thread::spawn(move || {
+                if let Some(core) = core {
+                    // Pinning is best-effort: unpinned threads still measure contention.
+                    let _ = core_affinity::set_for_current(core);
+                }
+                barrier.wait();
+                let start = Instant::now();
+                for i in 0..iters {
+                    op(&shared, i);
+                }
+                start.elapsed()
+            })
+        })
+        .collect();
+    handles
+        .into_iter()
+        .map(|h| h.join().expect("bench thread panicked"))
+        .max()
+        .unwrap_or_default()
+}
+
+fn iothrottle_op(b: &SharedTokenBucket<Uncapped>, i: u64) {
+    if i % REPLENISH_EVERY == 0 {
+        b.replenish();
+    }
+    let tail = b.grab(1);
+    black_box(b.deficiency(tail));
+}
+
+fn floor_op(a: &AtomicU64, _i: u64) {
+    let v = a.fetch_add(1, Ordering::AcqRel);
+    black_box(v);
+    black_box(a.load(Ordering::Acquire));
+}
+
+fn governor_op(l: &governor::DefaultDirectRateLimiter, _i: u64) {
+    let _ = black_box(l.check());
+}
+
+fn semaphore_op(s: &tokio::sync::Semaphore, i: u64) {
+    if let Ok(p) = s.try_acquire() {
+        p.forget();
+    }
+    if i % REPLENISH_EVERY == REPLENISH_EVERY - 1 {
+        s.add_permits(REPLENISH_EVERY as usize);
+    }
+}
+
+fn leaky_op(l: &leaky_bucket::RateLimiter, _i: u64) {
+    black_box(l.try_acquire(1));
+}
+
+fn padded_op(r: &Padded, i: u64) {
+    black_box(replica_op(r, i));
+}
+
+fn packed_op(r: &Packed, i: u64) {
+    black_box(replica_op(r, i));
+}
+
+/// One-thread case: `op` on a fresh instance, counted per call.
+fn one<S: 'static>(
+    c: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    name: &str,
+    s: S,
+    op: fn(&S, u64),
+) {
+    c.bench_function(BenchmarkId::new(name, "1t"), |b| {
+        let mut i = 0u64;
+        b.iter(|| {
+            op(&s, i);
+            i = i.wrapping_add(1);
+        })
+    });
+}
+
+/// Two-thread case: `op` on one shared instance from two threads.
+fn two<S: Send + Sync + 'static>(
+    c: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    name: &str,
+    s: S,
+    op: fn(&S, u64),
+) {
+    let s = Arc::new(s);
+    c.bench_function(BenchmarkId::new(name, "2t"), |b| {
+        b.iter_custom(|iters| two_threads(&s, iters, op))
+    });
+}
+
+/// The `bucket` group: every case side by side.
+pub fn bucket(c: &mut Criterion) {
+    let mut g = c.benchmark_group("bucket");
+    one(
+        &mut g,
+        "iothrottle_grab_deficiency",
+        iothrottle_bucket(),
+        iothrottle_op,
+    );
+    one(
+        &mut g,
+        "atomic_fetch_add_floor",
+        AtomicU64::new(0),
+        floor_op,
+    );
+    one(&mut g, "governor_check", governor_limiter(), governor_op);
+    one(
+        &mut g,
+        "tokio_semaphore_try_acquire",
+        semaphore(),
+        semaphore_op,
+    );
+    one(&mut g, "leaky_bucket_try_acquire", leaky_bucket(), leaky_op);
+
+    two(
+        &mut g,
+        "iothrottle_grab_deficiency",
+        iothrottle_bucket(),
+        iothrottle_op,
+    );
+    two(
+        &mut g,
+        "atomic_fetch_add_floor",
+        AtomicU64::new(0),
+        floor_op,
+    );
+    two(&mut g, "governor_check", governor_limiter(), governor_op);
+    two(
+        &mut g,
+        "tokio_semaphore_try_acquire",
+        semaphore(),
+        semaphore_op,
+    );
+    two(&mut g, "leaky_bucket_try_acquire", leaky_bucket(), leaky_op);
+
+    // Does padding the rovers apart help under contention? (The core pads.)
+    two(&mut g, "layout_padded", Padded::default(), padded_op);
+    two(&mut g, "layout_packed", Packed::default(), packed_op);
+    g.finish();
+}
+
+criterion::criterion_group!(benches, bucket);

@@ -1,0 +1,46 @@
+//! The first replenish (the bucket was never filled) racing with another replenish and a grab:
+//! exactly one fill to the limit, and `head` never passes `tail + limit`.
+
+use std::time::Duration;
+
+use loom::sync::Arc;
+use loom::thread;
+
+use iothrottle::{BucketConfig, ManualClock, Rate, SharedTokenBucket, Uncapped};
+
+use crate::common::{ahead, check_bounds, replenish_at};
+
+#[test]
+fn first_replenish_fills_once() {
+    loom::model(|| {
+        let cfg = BucketConfig::new(Rate::new(1, Duration::from_nanos(1)), 10);
+        let b = Arc::new(
+            SharedTokenBucket::<Uncapped, _>::with_clock(cfg, ManualClock::new()).unwrap(),
+        );
+        assert_eq!(b.last_replenish(), None);
+        let spawn = |ns: u64| {
+            let b = b.clone();
+            thread::spawn(move || {
+                let added = replenish_at(&*b, ns);
+                check_bounds(&*b);
+                added
+            })
+        };
+        let (r5, r9) = (spawn(5), spawn(9));
+        let tail = b.grab(4);
+        check_bounds(&*b);
+        let (a5, a9) = (r5.join().unwrap(), r9.join().unwrap());
+        // Exactly one of them was the first replenish and filled to the limit (10).
+        assert!(a5 == 10 || a9 == 10, "{a5} {a9}");
+        assert!(!(a5 == 10 && a9 == 10));
+        // The other added 0, or (9 after 5, after the grab) the 4 earned that fitted.
+        let total = a5 + a9;
+        assert!(total == 10 || (a5 == 10 && a9 <= 4), "{a5} {a9}");
+        let s = b.snapshot();
+        assert_eq!(s.head, total, "head moved by what was reported");
+        assert!(ahead(s.head, s.tail.wrapping_add(10)) <= 0);
+        assert_eq!(b.deficiency(tail), 0);
+        let last = b.last_replenish().unwrap();
+        assert!(last == Duration::from_nanos(5) || last == Duration::from_nanos(9));
+    });
+}
