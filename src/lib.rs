@@ -25,6 +25,7 @@
 //!
 //! - [`bucket`]: the lock-free core, [`SharedTokenBucket`].
 //! - [`clock`]: where time comes from ([`MonotonicClock`], [`ManualClock`] for tests).
+//! - [`checkpoint`]: durable checkpoints (a file, or PostgreSQL): no free burst after a crash.
 //! - [`error`]: typed errors.
 //!
 //! ## Feature flags
@@ -45,13 +46,14 @@
 )]
 
 pub mod bucket;
+pub mod checkpoint;
 pub mod clock;
 pub mod error;
 mod sync;
 
 pub use bucket::{BucketConfig, BucketState, Capped, Mode, Rate, SharedTokenBucket, Uncapped};
 pub use clock::{Clock, ManualClock, MonotonicClock, TokioClock};
-pub use error::{ClockError, ConfigError};
+pub use error::{CheckpointError, ClockError, ConfigError};
 
 /// The README's examples, compiled and run as doctests.
 #[cfg(doctest)]

@@ -3,5 +3,6 @@
 //! Run one group with `cargo bench --bench benches -- <group>`.
 
 mod bucket;
+mod checkpoint;
 
-criterion::criterion_main!(bucket::benches);
+criterion::criterion_main!(bucket::benches, checkpoint::benches);

@@ -161,7 +161,9 @@ impl PgCluster {
         let mut child = cmd.spawn().map_err(|e| format!("starting postgres: {e}"))?;
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            if TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
+            // An open port is not enough: during startup (and crash recovery) the server
+            // refuses sessions with 57P03 "the database system is starting up".
+            if TcpStream::connect(("127.0.0.1", self.port)).is_ok() && self.is_ready() {
                 break;
             }
             if let Ok(Some(status)) = child.try_wait() {
@@ -179,6 +181,30 @@ impl PgCluster {
         }
         self.child = Some(child);
         Ok(())
+    }
+
+    /// Whether the server accepts sessions (`pg_isready`; falls back to `true` without it).
+    fn is_ready(&self) -> bool {
+        let tool = self.bin.join("pg_isready");
+        if !tool.is_file() {
+            return true;
+        }
+        Command::new(tool)
+            .args([
+                "-q",
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-U",
+                "postgres",
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false)
     }
 
     /// `host=127.0.0.1 port=… user=postgres dbname=postgres`, for `tokio_postgres::connect`.

@@ -1,0 +1,263 @@
+//! [`PgCheckpoint`]: snapshots in PostgreSQL, one row per named bucket, one upsert per save.
+//!
+//! Table (created if missing):
+//!
+//! ```sql
+//! CREATE TABLE IF NOT EXISTS iothrottle_checkpoint (
+//!     name           text PRIMARY KEY,
+//!     version        integer NOT NULL,
+//!     tail           bigint NOT NULL,   -- u64 positions, stored bit for bit
+//!     head           bigint NOT NULL,
+//!     ceil           bigint,            -- capped buckets only
+//!     reserved       bigint,            -- strict mode's reservation mark
+//!     wall_unix_ns   bigint NOT NULL,   -- the snapshot's wall time (the client's clock)
+//!     rate_tokens    bigint NOT NULL,
+//!     rate_period_ns bigint NOT NULL,
+//!     bucket_limit   bigint NOT NULL,
+//!     saved_at       timestamptz NOT NULL DEFAULT clock_timestamp()
+//! )
+//! ```
+//!
+//! The upsert is a single `INSERT … ON CONFLICT (name) DO UPDATE`, committed with the server's
+//! default `synchronous_commit` (on): a save returns once the row is durable, which strict mode
+//! relies on.
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::{Duration, UNIX_EPOCH};
+
+use tokio::sync::Mutex;
+use tokio_postgres::{Client, Config, NoTls, Statement};
+
+use crate::bucket::{BucketState, Rate};
+use crate::checkpoint::{Checkpoint, Snapshot, FORMAT_VERSION};
+use crate::error::CheckpointError;
+
+const CREATE: &str = "CREATE TABLE IF NOT EXISTS iothrottle_checkpoint (
+    name text PRIMARY KEY,
+    version integer NOT NULL,
+    tail bigint NOT NULL,
+    head bigint NOT NULL,
+    ceil bigint,
+    reserved bigint,
+    wall_unix_ns bigint NOT NULL,
+    rate_tokens bigint NOT NULL,
+    rate_period_ns bigint NOT NULL,
+    bucket_limit bigint NOT NULL,
+    saved_at timestamptz NOT NULL DEFAULT clock_timestamp()
+)";
+
+const UPSERT: &str = "INSERT INTO iothrottle_checkpoint
+    (name, version, tail, head, ceil, reserved, wall_unix_ns, rate_tokens, rate_period_ns,
+     bucket_limit, saved_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, clock_timestamp())
+ON CONFLICT (name) DO UPDATE SET
+    version = EXCLUDED.version, tail = EXCLUDED.tail, head = EXCLUDED.head,
+    ceil = EXCLUDED.ceil, reserved = EXCLUDED.reserved, wall_unix_ns = EXCLUDED.wall_unix_ns,
+    rate_tokens = EXCLUDED.rate_tokens, rate_period_ns = EXCLUDED.rate_period_ns,
+    bucket_limit = EXCLUDED.bucket_limit, saved_at = EXCLUDED.saved_at";
+
+const SELECT: &str = "SELECT version, tail, head, ceil, reserved, wall_unix_ns, rate_tokens,
+    rate_period_ns, bucket_limit FROM iothrottle_checkpoint WHERE name = $1";
+
+/// A bucket's snapshot in PostgreSQL (feature `postgres`): one row per bucket name in the
+/// table [`TABLE`](Self::TABLE), one upsert per save.
+///
+/// Settings come from a standard connection string (`host=… port=… user=… dbname=…` or a
+/// `postgresql://` URL). The connection is opened lazily and reopened after any failure, so
+/// a database that is down or restarts costs failed saves (counted and logged by the
+/// [`Checkpointer`](crate::checkpoint::Checkpointer), which retries with back-off), never a
+/// panic. Every operation has a timeout (default 10 s): a stalled server is a failure too.
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub struct PgCheckpoint {
+    config: Config,
+    name: String,
+    timeout: Duration,
+    conn: Mutex<Option<(Client, Statement)>>,
+}
+
+impl PgCheckpoint {
+    /// The table every `PgCheckpoint` uses.
+    pub const TABLE: &'static str = "iothrottle_checkpoint";
+
+    /// A store for the bucket `name` in the database of `connection_string`. Only parses:
+    /// nothing is connected until the first save or load.
+    pub fn new(connection_string: &str, name: &str) -> Result<Self, CheckpointError> {
+        let mut config =
+            Config::from_str(connection_string).map_err(|e| CheckpointError::ConnectionString {
+                message: e.to_string(),
+            })?;
+        if name.is_empty() || name.len() > 200 {
+            return Err(CheckpointError::InvalidName { name: name.into() });
+        }
+        if config.get_connect_timeout().is_none() {
+            config.connect_timeout(Duration::from_secs(5));
+        }
+        Ok(PgCheckpoint {
+            config,
+            name: name.into(),
+            timeout: Duration::from_secs(10),
+            conn: Mutex::new(None),
+        })
+    }
+
+    /// Fails an operation that takes longer than `timeout` (and drops the connection).
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// The bucket's name (the row key).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Opens a connection and creates the table if missing.
+    async fn connect(&self) -> Result<(Client, Statement), CheckpointError> {
+        let pg = |op| {
+            move |e: tokio_postgres::Error| CheckpointError::Postgres {
+                op,
+                message: message(&e),
+            }
+        };
+        let (client, connection) = self.config.connect(NoTls).await.map_err(pg("connect"))?;
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!(error = %e, "postgres checkpoint connection closed");
+            }
+        });
+        if let Err(e) = client.batch_execute(CREATE).await {
+            // Two processes creating the table at once: one loses on the catalog's unique
+            // index; the table is there either way.
+            let raced = e.code().is_some_and(|c| {
+                *c == tokio_postgres::error::SqlState::UNIQUE_VIOLATION
+                    || *c == tokio_postgres::error::SqlState::DUPLICATE_TABLE
+            });
+            if !raced {
+                return Err(pg("create table")(e));
+            }
+        }
+        let upsert = client.prepare(UPSERT).await.map_err(pg("prepare"))?;
+        Ok((client, upsert))
+    }
+
+    /// Runs `op` on the (re)opened connection under the timeout; any failure drops the
+    /// connection so that the next call reconnects.
+    async fn with_conn<T>(
+        &self,
+        what: &'static str,
+        op: impl AsyncFnOnce(&Client, &Statement) -> Result<T, CheckpointError>,
+    ) -> Result<T, CheckpointError> {
+        let mut guard = self.conn.lock().await;
+        let result = tokio::time::timeout(self.timeout, async {
+            if guard.as_ref().is_none_or(|(c, _)| c.is_closed()) {
+                *guard = Some(self.connect().await?);
+            }
+            let (client, stmt) = guard.as_ref().expect("connected above");
+            op(client, stmt).await
+        })
+        .await
+        .unwrap_or_else(|_| {
+            Err(CheckpointError::Postgres {
+                op: what,
+                message: format!("timed out after {:?}", self.timeout),
+            })
+        });
+        if result.is_err() {
+            *guard = None;
+        }
+        result
+    }
+}
+
+impl Checkpoint for PgCheckpoint {
+    async fn save(&self, s: Snapshot) -> Result<(), CheckpointError> {
+        let name = self.name.clone();
+        self.with_conn("upsert", async move |client, upsert| {
+            let period = u64::try_from(s.rate.period().as_nanos()).unwrap_or(u64::MAX);
+            client
+                .execute(
+                    upsert,
+                    &[
+                        &name,
+                        &(FORMAT_VERSION as i32),
+                        &(s.state.tail as i64),
+                        &(s.state.head as i64),
+                        &s.state.ceil.map(|c| c as i64),
+                        &s.reserved.map(|r| r as i64),
+                        &(s.wall_nanos() as i64),
+                        &(s.rate.tokens() as i64),
+                        &(period as i64),
+                        &(s.limit as i64),
+                    ],
+                )
+                .await
+                .map(|_| ())
+                .map_err(|e| CheckpointError::Postgres {
+                    op: "upsert",
+                    message: message(&e),
+                })
+        })
+        .await
+    }
+
+    async fn load(&self) -> Result<Option<Snapshot>, CheckpointError> {
+        let name = self.name.clone();
+        self.with_conn("select", async move |client, _| {
+            let row = client.query_opt(SELECT, &[&name]).await.map_err(|e| {
+                CheckpointError::Postgres {
+                    op: "select",
+                    message: message(&e),
+                }
+            })?;
+            let Some(row) = row else { return Ok(None) };
+            let version: i32 = row.get(0);
+            if version != FORMAT_VERSION as i32 {
+                return Err(CheckpointError::UnsupportedVersion {
+                    found: version as u32,
+                    supported: FORMAT_VERSION,
+                });
+            }
+            let u = |i: usize| row.get::<_, i64>(i) as u64;
+            let opt = |i: usize| row.get::<_, Option<i64>>(i).map(|v| v as u64);
+            let snapshot = Snapshot {
+                state: BucketState {
+                    tail: u(1),
+                    head: u(2),
+                    ceil: opt(3),
+                },
+                reserved: opt(4),
+                wall: UNIX_EPOCH + Duration::from_nanos(u(5)),
+                rate: Rate::new(u(6), Duration::from_nanos(u(7))),
+                limit: u(8),
+            };
+            snapshot.validate()?;
+            Ok(Some(snapshot))
+        })
+        .await
+    }
+}
+
+/// The driver's message with its causes ("error connecting to server: Connection refused").
+fn message(e: &tokio_postgres::Error) -> String {
+    let mut msg = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        msg.push_str(": ");
+        msg.push_str(&s.to_string());
+        source = s.source();
+    }
+    msg
+}
+
+impl fmt::Debug for PgCheckpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // No password in logs: only where and what.
+        f.debug_struct("PgCheckpoint")
+            .field("hosts", &self.config.get_hosts())
+            .field("ports", &self.config.get_ports())
+            .field("dbname", &self.config.get_dbname())
+            .field("name", &self.name)
+            .finish()
+    }
+}
