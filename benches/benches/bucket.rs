@@ -108,7 +108,7 @@ impl Rovers for Packed {
 #[inline]
 fn replica_op<R: Rovers>(r: &R, i: u64) -> u64 {
     let tail = r.tail().fetch_add(1, Ordering::AcqRel) + 1;
-    if i % REPLENISH_EVERY == 0 {
+    if i.is_multiple_of(REPLENISH_EVERY) {
         r.head().fetch_add(REPLENISH_EVERY, Ordering::AcqRel);
     }
     let head = r.head().load(Ordering::Acquire);
@@ -152,7 +152,7 @@ where
 }
 
 fn iothrottle_op(b: &SharedTokenBucket<Uncapped>, i: u64) {
-    if i % REPLENISH_EVERY == 0 {
+    if i.is_multiple_of(REPLENISH_EVERY) {
         b.replenish();
     }
     let tail = b.grab(1);

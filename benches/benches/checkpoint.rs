@@ -26,7 +26,7 @@ fn hot_path(c: &mut Criterion) {
     g.bench_function("grab+deficiency/no checkpoint", |b| {
         b.iter(|| {
             i += 1;
-            if i % 64 == 0 {
+            if i.is_multiple_of(64) {
                 bare.replenish();
             }
             let t = bare.grab(1);
@@ -63,7 +63,7 @@ fn hot_path(c: &mut Criterion) {
             |b| {
                 b.iter(|| {
                     i += 1;
-                    if i % 64 == 0 {
+                    if i.is_multiple_of(64) {
                         cb.bucket().replenish();
                     }
                     let t = cb.grab(1);
