@@ -26,6 +26,7 @@
 //! - [`bucket`]: the lock-free core, [`SharedTokenBucket`].
 //! - [`clock`]: where time comes from ([`MonotonicClock`], [`ManualClock`] for tests).
 //! - [`checkpoint`]: durable checkpoints (a file, or PostgreSQL): no free burst after a crash.
+//! - [`throttle`]: [`Throttle`], the async front of the bucket for any tokio runtime.
 //! - [`error`]: typed errors.
 //!
 //! ## Feature flags
@@ -50,10 +51,12 @@ pub mod checkpoint;
 pub mod clock;
 pub mod error;
 mod sync;
+pub mod throttle;
 
 pub use bucket::{BucketConfig, BucketState, Capped, Mode, Rate, SharedTokenBucket, Uncapped};
 pub use clock::{Clock, ManualClock, MonotonicClock, TokioClock};
-pub use error::{CheckpointError, ClockError, ConfigError};
+pub use error::{AcquireError, CheckpointError, ClockError, ConfigError, TryAcquireError};
+pub use throttle::{Permit, Throttle};
 
 /// The README's examples, compiled and run as doctests.
 #[cfg(doctest)]

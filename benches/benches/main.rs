@@ -4,5 +4,6 @@
 
 mod bucket;
 mod checkpoint;
+mod throttle;
 
-criterion::criterion_main!(bucket::benches, checkpoint::benches);
+criterion::criterion_main!(bucket::benches, checkpoint::benches, throttle::benches);

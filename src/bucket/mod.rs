@@ -281,6 +281,15 @@ impl<M: Mode, C: Clock> SharedTokenBucket<M, C> {
         self.rovers.refund(n)
     }
 
+    /// Reports `n` tokens' worth of completed work, whatever the mode: in [`Capped`] mode this
+    /// is [`release`](SharedTokenBucket::release); an [`Uncapped`] bucket does not track
+    /// completions and ignores it. For code generic over the mode (permits, dispatchers);
+    /// code that knows its bucket is capped should call `release`.
+    #[inline]
+    pub fn complete(&self, n: u64) {
+        self.rovers.release(n)
+    }
+
     /// How long until `n` more tokens accumulate at the current rate, rounded up to the
     /// nanosecond (never zero for `n > 0`).
     pub fn duration_for(&self, n: u64) -> Duration {
