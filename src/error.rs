@@ -229,3 +229,124 @@ impl TryAcquireError {
         }
     }
 }
+
+/// A [`Dispatcher`](crate::dispatcher::Dispatcher) configuration that cannot be honoured.
+///
+/// Returned by [`DispatcherBuilder::build`](crate::dispatcher::DispatcherBuilder::build) and
+/// [`add_class`](crate::dispatcher::DispatcherBuilder::add_class). Nothing is clamped silently.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum BuildError {
+    /// A dispatcher needs at least one shard.
+    #[error("a dispatcher needs at least one shard")]
+    ZeroShards,
+    /// A dispatcher needs at least one priority class.
+    #[error("a dispatcher needs at least one priority class (add one with `add_class`)")]
+    NoClasses,
+    /// Shares must be in `1..=1000`.
+    #[error("class {class:?}: shares must be in 1..=1000, got {shares}")]
+    SharesOutOfRange {
+        /// The class's name.
+        class: String,
+        /// The shares, as given.
+        shares: u32,
+    },
+    /// Two classes with one name.
+    #[error("two classes are named {class:?}")]
+    DuplicateClass {
+        /// The name used twice.
+        class: String,
+    },
+    /// A per-class bandwidth cap of zero bytes per second.
+    #[error("class {class:?}: a bandwidth cap must be positive")]
+    ZeroBandwidthCap {
+        /// The class's name.
+        class: String,
+    },
+    /// A [`DiskModel`](crate::dispatcher::DiskModel) figure is zero.
+    #[error("the disk model's {field} must be positive")]
+    ZeroDiskFigure {
+        /// Which figure.
+        field: &'static str,
+    },
+    /// A token amount (`max_cost` or `batch`) is 0 or above the bucket's limit.
+    #[error("{what} = {value} must be in 1..={limit}")]
+    TokensOutOfRange {
+        /// Which setting.
+        what: &'static str,
+        /// The value, as given.
+        value: u64,
+        /// The bucket's limit.
+        limit: u64,
+    },
+    /// The bucket (or a class's cap bucket) configuration is invalid.
+    #[error("bucket configuration: {0}")]
+    Bucket(#[from] ConfigError),
+    /// A shard thread or its runtime could not be started.
+    #[error("could not start shard {shard}: {source}")]
+    Spawn {
+        /// The shard's index.
+        shard: usize,
+        /// What the OS or tokio said.
+        source: std::io::Error,
+    },
+}
+
+/// A request the [`Dispatcher`](crate::dispatcher::Dispatcher) refuses at submission; the
+/// request's future is dropped without being polled.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SubmitError {
+    /// The dispatcher is shutting down or has shut down.
+    #[error("the dispatcher is shut down")]
+    ShutDown,
+    /// No such class.
+    #[error("no class with id {class} (the dispatcher has {classes})")]
+    UnknownClass {
+        /// The class id, as given.
+        class: usize,
+        /// How many classes there are.
+        classes: usize,
+    },
+    /// No such shard.
+    #[error("no shard {shard} (the dispatcher has {shards})")]
+    UnknownShard {
+        /// The shard, as given.
+        shard: usize,
+        /// How many shards there are.
+        shards: usize,
+    },
+    /// The request costs more than [`max_cost`](crate::dispatcher::Dispatcher::max_cost) and
+    /// cannot be split (one future,
+    /// or a raw token cost, or one operation alone is too expensive). Submit it with
+    /// [`submit_split`](crate::dispatcher::Dispatcher::submit_split), or in pieces of at most
+    /// `max_bytes` bytes.
+    #[error(
+        "the request costs {cost} tokens, above the most a request may cost, {max_cost} \
+         (pieces of at most {max_bytes:?} bytes would fit)"
+    )]
+    TooLarge {
+        /// The request's cost in tokens.
+        cost: u64,
+        /// The most a request may cost (at most the bucket's limit).
+        max_cost: u64,
+        /// The largest piece of this kind that fits, `None` if no size fits.
+        max_bytes: Option<u64>,
+    },
+}
+
+/// Why a submitted request produced no result.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DispatchError {
+    /// The dispatcher shut down (cancelling) before the request was dispatched; its future was
+    /// dropped without being polled and its tokens were given back.
+    #[error("the dispatcher shut down before the request was dispatched")]
+    ShutDown,
+    /// The request's future panicked. Its tokens were still released.
+    #[error("the request's future panicked: {message}")]
+    Panicked {
+        /// The panic message, when it was a string.
+        message: String,
+    },
+}

@@ -27,6 +27,7 @@
 //! - [`clock`]: where time comes from ([`MonotonicClock`], [`ManualClock`] for tests).
 //! - [`checkpoint`]: durable checkpoints (a file, or PostgreSQL): no free burst after a crash.
 //! - [`throttle`]: [`Throttle`], the async front of the bucket for any tokio runtime.
+//! - [`dispatcher`]: the thread-per-core I/O dispatcher, [`Dispatcher`].
 //! - [`error`]: typed errors.
 //!
 //! ## Feature flags
@@ -49,13 +50,20 @@
 pub mod bucket;
 pub mod checkpoint;
 pub mod clock;
+#[cfg(not(iothrottle_loom))]
+pub mod dispatcher;
 pub mod error;
 mod sync;
 pub mod throttle;
 
 pub use bucket::{BucketConfig, BucketState, Capped, Mode, Rate, SharedTokenBucket, Uncapped};
 pub use clock::{Clock, ManualClock, MonotonicClock, TokioClock};
-pub use error::{AcquireError, CheckpointError, ClockError, ConfigError, TryAcquireError};
+#[cfg(not(iothrottle_loom))]
+pub use dispatcher::{ClassConfig, ClassId, DiskModel, Dispatcher, IoRequest};
+pub use error::{
+    AcquireError, BuildError, CheckpointError, ClockError, ConfigError, DispatchError, SubmitError,
+    TryAcquireError,
+};
 pub use throttle::{Permit, Throttle};
 
 /// The README's examples, compiled and run as doctests.

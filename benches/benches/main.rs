@@ -4,6 +4,12 @@
 
 mod bucket;
 mod checkpoint;
+mod dispatcher;
 mod throttle;
 
-criterion::criterion_main!(bucket::benches, checkpoint::benches, throttle::benches);
+criterion::criterion_main!(
+    bucket::benches,
+    checkpoint::benches,
+    dispatcher::benches,
+    throttle::benches
+);

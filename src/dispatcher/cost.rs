@@ -1,0 +1,332 @@
+//! The cost model: what a read or a write costs in tokens of disk time ([`DiskModel`],
+//! [`IoRequest`]).
+//!
+//! One token is one nanosecond of disk time ([`DiskModel::TOKENS_PER_SECOND`]). A request costs
+//! `1/iops + bytes/bandwidth` of that time, each term rounded up to a whole token, so a disk kept
+//! at `TOKENS_PER_SECOND` tokens per second ([`DiskModel::full_rate`]) is exactly saturated: many
+//! small requests hit the IOPS limit, few large ones hit the bandwidth limit, and a mix is charged
+//! for both, as in Seastar's I/O queue.
+
+use std::fmt;
+use std::ops::Range;
+
+use crate::bucket::Rate;
+use crate::error::BuildError;
+
+/// Whether a request reads or writes (they cost differently).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum IoKind {
+    /// A read.
+    Read,
+    /// A write.
+    Write,
+}
+
+/// What a submitted request asks of the disk: a read or a write of some bytes, or a raw token
+/// cost that bypasses the [`DiskModel`].
+///
+/// ```
+/// use iothrottle::dispatcher::{DiskModel, IoRequest};
+///
+/// let disk = DiskModel::new(1_000_000_000, 500_000_000, 100_000, 50_000);
+/// // 1/100_000 s + 4096 B / (1 GB/s) = 10_000 ns + 4_096 ns of disk time.
+/// assert_eq!(disk.cost(&IoRequest::read(4096)), 14_096);
+/// assert_eq!(disk.cost(&IoRequest::tokens(7)), 7);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct IoRequest {
+    shape: Shape,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Shape {
+    Io { kind: IoKind, bytes: u64 },
+    Tokens(u64),
+}
+
+impl IoRequest {
+    /// A read of `bytes`.
+    pub const fn read(bytes: u64) -> Self {
+        IoRequest {
+            shape: Shape::Io {
+                kind: IoKind::Read,
+                bytes,
+            },
+        }
+    }
+
+    /// A write of `bytes`.
+    pub const fn write(bytes: u64) -> Self {
+        IoRequest {
+            shape: Shape::Io {
+                kind: IoKind::Write,
+                bytes,
+            },
+        }
+    }
+
+    /// A request that costs exactly `tokens`, whatever the disk model (for work that is not a
+    /// plain read or write). It has no bytes and cannot be split.
+    pub const fn tokens(tokens: u64) -> Self {
+        IoRequest {
+            shape: Shape::Tokens(tokens),
+        }
+    }
+
+    /// Read or write; `None` for a raw token cost.
+    pub const fn kind(&self) -> Option<IoKind> {
+        match self.shape {
+            Shape::Io { kind, .. } => Some(kind),
+            Shape::Tokens(_) => None,
+        }
+    }
+
+    /// Bytes moved (0 for a raw token cost).
+    pub const fn bytes(&self) -> u64 {
+        match self.shape {
+            Shape::Io { bytes, .. } => bytes,
+            Shape::Tokens(_) => 0,
+        }
+    }
+}
+
+/// A disk's capacity: bandwidth and IOPS for reads and for writes. Turns requests into tokens
+/// of disk time.
+///
+/// Invariant (checked by [`validate`](Self::validate) and by the dispatcher's builder): all four
+/// figures are positive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct DiskModel {
+    /// Read bandwidth, bytes per second.
+    pub read_bw: u64,
+    /// Write bandwidth, bytes per second.
+    pub write_bw: u64,
+    /// Reads per second at small sizes.
+    pub read_iops: u64,
+    /// Writes per second at small sizes.
+    pub write_iops: u64,
+}
+
+impl Default for DiskModel {
+    /// A middle-of-the-road NVMe drive: 2 GB/s reads, 1 GB/s writes, 400k read IOPS, 100k
+    /// write IOPS. Measure your own disk (e.g. with `fio`) and set real figures.
+    fn default() -> Self {
+        DiskModel::new(2_000_000_000, 1_000_000_000, 400_000, 100_000)
+    }
+}
+
+impl DiskModel {
+    /// Tokens per second of disk time: one token is one nanosecond.
+    pub const TOKENS_PER_SECOND: u64 = 1_000_000_000;
+
+    /// A disk model from its four figures (bytes per second, operations per second).
+    pub const fn new(read_bw: u64, write_bw: u64, read_iops: u64, write_iops: u64) -> Self {
+        DiskModel {
+            read_bw,
+            write_bw,
+            read_iops,
+            write_iops,
+        }
+    }
+
+    /// The rate that keeps this disk exactly busy: one second of disk time per second.
+    pub const fn full_rate() -> Rate {
+        Rate::per_second(Self::TOKENS_PER_SECOND)
+    }
+
+    /// Checks that all four figures are positive.
+    pub fn validate(&self) -> Result<(), BuildError> {
+        for (field, value) in [
+            ("read_bw", self.read_bw),
+            ("write_bw", self.write_bw),
+            ("read_iops", self.read_iops),
+            ("write_iops", self.write_iops),
+        ] {
+            if value == 0 {
+                return Err(BuildError::ZeroDiskFigure { field });
+            }
+        }
+        Ok(())
+    }
+
+    /// Tokens that `request` costs: `ceil(1e9/iops) + ceil(bytes × 1e9 / bandwidth)`.
+    ///
+    /// Saturates at `u64::MAX` (a request that large is rejected by the dispatcher anyway). A
+    /// model with a zero figure costs `u64::MAX` for that kind of request.
+    pub fn cost(&self, request: &IoRequest) -> u64 {
+        match request.shape {
+            Shape::Tokens(t) => t,
+            Shape::Io { kind, bytes } => {
+                let (bw, iops) = self.figures(kind);
+                self.op_cost(iops)
+                    .saturating_add(Self::bytes_cost(bytes, bw))
+            }
+        }
+    }
+
+    /// The largest number of bytes of `kind` whose cost stays within `max_tokens`, or `None`
+    /// when even one byte costs more (the per-operation cost alone is above it).
+    pub fn max_bytes_within(&self, kind: IoKind, max_tokens: u64) -> Option<u64> {
+        let (bw, iops) = self.figures(kind);
+        let op = self.op_cost(iops);
+        if bw == 0 || op >= max_tokens {
+            return None;
+        }
+        // ceil(b × 1e9 / bw) ≤ room  <=>  b × 1e9 ≤ room × bw  <=>  b ≤ floor(room × bw / 1e9).
+        let room = (max_tokens - op) as u128;
+        let b = room * bw as u128 / Self::TOKENS_PER_SECOND as u128;
+        let b = u64::try_from(b).unwrap_or(u64::MAX);
+        (b > 0).then_some(b)
+    }
+
+    fn figures(&self, kind: IoKind) -> (u64, u64) {
+        match kind {
+            IoKind::Read => (self.read_bw, self.read_iops),
+            IoKind::Write => (self.write_bw, self.write_iops),
+        }
+    }
+
+    fn op_cost(&self, iops: u64) -> u64 {
+        if iops == 0 {
+            return u64::MAX;
+        }
+        Self::TOKENS_PER_SECOND.div_ceil(iops)
+    }
+
+    fn bytes_cost(bytes: u64, bw: u64) -> u64 {
+        if bytes == 0 {
+            return 0;
+        }
+        if bw == 0 {
+            return u64::MAX;
+        }
+        let t = (bytes as u128 * Self::TOKENS_PER_SECOND as u128).div_ceil(bw as u128);
+        u64::try_from(t).unwrap_or(u64::MAX)
+    }
+}
+
+/// One piece of a split request: the byte range it covers within the original request.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct Piece {
+    /// Bytes from the start of the original request.
+    pub range: Range<u64>,
+    /// Which piece this is (0-based).
+    pub index: usize,
+}
+
+impl Piece {
+    /// Bytes in this piece.
+    pub fn len(&self) -> u64 {
+        self.range.end - self.range.start
+    }
+
+    /// `true` for an empty piece (only an empty request has one).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl fmt::Debug for Piece {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Piece#{}({:?})", self.index, self.range)
+    }
+}
+
+/// Splits `bytes` into consecutive pieces of at most `max` bytes (`max > 0`). An empty request
+/// is one empty piece.
+pub(crate) fn split(bytes: u64, max: u64) -> Vec<Piece> {
+    debug_assert!(max > 0);
+    if bytes == 0 {
+        return vec![Piece {
+            range: 0..0,
+            index: 0,
+        }];
+    }
+    let mut out = Vec::with_capacity(bytes.div_ceil(max) as usize);
+    let mut start = 0;
+    while start < bytes {
+        let end = start.saturating_add(max).min(bytes);
+        out.push(Piece {
+            range: start..end,
+            index: out.len(),
+        });
+        start = end;
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn cost_is_op_plus_bytes() {
+        let d = DiskModel::new(1_000_000_000, 250_000_000, 100_000, 20_000);
+        assert_eq!(d.cost(&IoRequest::read(0)), 10_000);
+        assert_eq!(d.cost(&IoRequest::read(1 << 20)), 10_000 + 1_048_576);
+        assert_eq!(d.cost(&IoRequest::write(1 << 20)), 50_000 + 4 * 1_048_576);
+        // Rounds up: 1 byte at 3 B/s is a third of a second, 333_333_333.3 ns.
+        let slow = DiskModel::new(3, 3, 1, 1);
+        assert_eq!(slow.cost(&IoRequest::read(1)), 1_000_000_000 + 333_333_334);
+    }
+
+    #[test]
+    fn zero_figures_are_rejected() {
+        let d = DiskModel::new(1, 0, 1, 1);
+        assert!(matches!(
+            d.validate(),
+            Err(BuildError::ZeroDiskFigure { field: "write_bw" })
+        ));
+        assert!(DiskModel::default().validate().is_ok());
+    }
+
+    #[test]
+    fn max_bytes_within_none_when_op_alone_too_big() {
+        let d = DiskModel::new(1_000_000_000, 1_000_000_000, 1_000, 1_000);
+        // One operation costs 1_000_000 tokens.
+        assert_eq!(d.max_bytes_within(IoKind::Read, 1_000_000), None);
+        assert_eq!(d.max_bytes_within(IoKind::Read, 1_000_001), Some(1));
+    }
+
+    #[test]
+    fn split_covers_the_request() {
+        let p = split(10, 4);
+        let ranges: Vec<_> = p.iter().map(|p| p.range.clone()).collect();
+        assert_eq!(ranges, vec![0..4, 4..8, 8..10]);
+        assert_eq!(split(0, 4).len(), 1);
+    }
+
+    proptest! {
+        /// The largest size within a budget fits it, and one byte more does not.
+        #[test]
+        fn max_bytes_within_is_tight(
+            bw in 1u64..10_000_000_000,
+            iops in 1u64..2_000_000,
+            max in 1u64..100_000_000_000,
+        ) {
+            let d = DiskModel::new(bw, bw, iops, iops);
+            match d.max_bytes_within(IoKind::Write, max) {
+                Some(b) => {
+                    prop_assert!(d.cost(&IoRequest::write(b)) <= max);
+                    prop_assert!(d.cost(&IoRequest::write(b + 1)) > max);
+                }
+                None => prop_assert!(d.cost(&IoRequest::write(1)) > max),
+            }
+        }
+
+        /// Pieces are consecutive, non-empty, at most `max`, and cover the request exactly.
+        #[test]
+        fn split_is_exact(bytes in 1u64..1_000_000, max in 1u64..100_000) {
+            let pieces = split(bytes, max);
+            let mut at = 0;
+            for (i, p) in pieces.iter().enumerate() {
+                prop_assert_eq!(p.index, i);
+                prop_assert_eq!(p.range.start, at);
+                prop_assert!(!p.is_empty() && p.len() <= max);
+                at = p.range.end;
+            }
+            prop_assert_eq!(at, bytes);
+        }
+    }
+}

@@ -1,0 +1,171 @@
+//! Handles to submitted requests ([`IoHandle`], [`SplitHandle`]) and the type-erased task a
+//! shard carries for each request.
+
+use std::any::Any;
+use std::fmt;
+use std::future::Future;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use tokio::sync::oneshot;
+
+use crate::error::DispatchError;
+
+use super::queue::Payload;
+use super::runner::Completion;
+
+/// A request's future and where its result goes, with the types erased.
+pub(crate) trait Task: Send {
+    /// The handle was dropped: nobody waits for the result.
+    fn is_cancelled(&self) -> bool;
+    /// The request will not run: the handle gets `err`.
+    fn fail(self: Box<Self>, err: DispatchError);
+    /// Runs the future on the current shard (a `LocalSet`); `done` is dropped when it ends
+    /// (completes, panics, or is torn down with the runtime), which releases its tokens.
+    fn spawn_local(self: Box<Self>, done: Completion);
+}
+
+pub(crate) type BoxTask = Box<dyn Task>;
+
+impl Payload for BoxTask {
+    fn is_cancelled(&self) -> bool {
+        (**self).is_cancelled()
+    }
+}
+
+struct TaskImpl<F: Future> {
+    fut: F,
+    tx: oneshot::Sender<Result<F::Output, DispatchError>>,
+}
+
+/// A task for `fut` and the handle to its result.
+pub(crate) fn task<F>(fut: F) -> (BoxTask, IoHandle<F::Output>)
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    let (tx, rx) = oneshot::channel();
+    (Box::new(TaskImpl { fut, tx }), IoHandle { rx })
+}
+
+impl<F> Task for TaskImpl<F>
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    fn is_cancelled(&self) -> bool {
+        self.tx.is_closed()
+    }
+
+    fn fail(self: Box<Self>, err: DispatchError) {
+        let _ = self.tx.send(Err(err));
+    }
+
+    fn spawn_local(self: Box<Self>, done: Completion) {
+        let TaskImpl { fut, tx } = *self;
+        tokio::task::spawn_local(async move {
+            let _done = done;
+            let mut fut = std::pin::pin!(fut);
+            let out = std::future::poll_fn(|cx| {
+                match catch_unwind(AssertUnwindSafe(|| fut.as_mut().poll(cx))) {
+                    Ok(Poll::Ready(v)) => Poll::Ready(Ok(v)),
+                    Ok(Poll::Pending) => Poll::Pending,
+                    Err(panic) => Poll::Ready(Err(DispatchError::Panicked {
+                        message: panic_message(&*panic),
+                    })),
+                }
+            })
+            .await;
+            let _ = tx.send(out);
+        });
+    }
+}
+
+fn panic_message(panic: &(dyn Any + Send)) -> String {
+    if let Some(s) = panic.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = panic.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "(not a string)".to_owned()
+    }
+}
+
+/// The result of a submitted request: a future that resolves once the request's future has run
+/// on a shard.
+///
+/// Dropping the handle before the request is dispatched cancels it: its future is never polled
+/// and its tokens go back to the bucket. Once dispatched, the future runs to completion even if
+/// the handle is dropped.
+#[must_use = "dropping the handle cancels the request unless it was already dispatched"]
+pub struct IoHandle<T> {
+    rx: oneshot::Receiver<Result<T, DispatchError>>,
+}
+
+impl<T> fmt::Debug for IoHandle<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IoHandle").finish_non_exhaustive()
+    }
+}
+
+impl<T> Future for IoHandle<T> {
+    type Output = Result<T, DispatchError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match Pin::new(&mut self.rx).poll(cx) {
+            Poll::Ready(Ok(out)) => Poll::Ready(out),
+            // The sender was dropped unsent: the shard went away with the request still queued.
+            Poll::Ready(Err(_)) => Poll::Ready(Err(DispatchError::ShutDown)),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+/// The results of a split request, in piece order. Resolves to the first error if a piece
+/// failed. Dropping it cancels the pieces not yet dispatched.
+#[must_use = "dropping the handle cancels the pieces not yet dispatched"]
+pub struct SplitHandle<T> {
+    pieces: Vec<IoHandle<T>>,
+    done: Vec<T>,
+}
+
+impl<T> SplitHandle<T> {
+    pub(crate) fn new(pieces: Vec<IoHandle<T>>) -> Self {
+        let done = Vec::with_capacity(pieces.len());
+        SplitHandle { pieces, done }
+    }
+
+    /// How many pieces the request was split into.
+    pub fn pieces(&self) -> usize {
+        self.pieces.len()
+    }
+}
+
+impl<T> fmt::Debug for SplitHandle<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SplitHandle")
+            .field("pieces", &self.pieces.len())
+            .field("done", &self.done.len())
+            .finish()
+    }
+}
+
+impl<T> Unpin for SplitHandle<T> {}
+
+impl<T> Future for SplitHandle<T> {
+    type Output = Result<Vec<T>, DispatchError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = &mut *self;
+        while this.done.len() < this.pieces.len() {
+            let i = this.done.len();
+            match Pin::new(&mut this.pieces[i]).poll(cx) {
+                Poll::Ready(Ok(v)) => this.done.push(v),
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+        Poll::Ready(Ok(std::mem::take(&mut this.done)))
+    }
+}

@@ -1,0 +1,241 @@
+//! A shard's own queues, one per class, and the choice of what goes into the next reservation.
+//!
+//! Everything here belongs to one shard and is touched only by its thread (`!Send` users hold
+//! it in a `RefCell`); the only shared state it reads or writes is the classes' virtual time and
+//! backlog counters ([`Classes`]) and their bandwidth-cap buckets.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use super::class::Classes;
+use super::stats::ClassRecorder;
+
+/// What the dispatcher carries for a request: the user's future, or a test's marker.
+pub(crate) trait Payload {
+    /// `true` when nobody waits for the result any more (the handle was dropped): the request
+    /// is skipped and its tokens given back.
+    fn is_cancelled(&self) -> bool;
+}
+
+/// A queued request.
+#[derive(Debug)]
+pub(crate) struct Entry<P> {
+    pub(crate) class: usize,
+    /// Tokens it costs.
+    pub(crate) cost: u64,
+    /// Bytes it moves (for stats and the class's bandwidth cap).
+    pub(crate) bytes: u64,
+    /// When it was submitted, on the dispatcher's clock.
+    pub(crate) submitted: Duration,
+    pub(crate) payload: P,
+}
+
+#[derive(Debug)]
+struct ClassQueue<P> {
+    entries: VecDeque<Entry<P>>,
+    /// Counted in the class's shared backlog: non-empty and not held back by the cap.
+    active: bool,
+    /// Cap bucket position claimed for the head entry, its bytes not there yet.
+    cap_wait: Option<u64>,
+    /// The head entry's cap bytes are there.
+    head_paid: bool,
+}
+
+/// What [`Queues::select`] found.
+#[derive(Debug)]
+pub(crate) enum Selection<P> {
+    /// Requests to reserve for, in dispatch order, and their total cost.
+    Batch { entries: Vec<Entry<P>>, tokens: u64 },
+    /// Nothing queued.
+    Empty,
+    /// Requests are queued but none may go now.
+    Blocked {
+        /// Fairness: tokens the slowest backlogged class must get first (the least over this
+        /// shard's classes).
+        behind: Option<u64>,
+        /// Bandwidth caps: the soonest a capped class's bytes are there.
+        cap_wait: Option<Duration>,
+    },
+}
+
+/// A shard's queues.
+#[derive(Debug)]
+pub(crate) struct Queues<P> {
+    classes: Vec<ClassQueue<P>>,
+    /// Scratch for `select`: classes skipped this round.
+    skipped: Vec<bool>,
+    len: usize,
+    /// This shard's index.
+    shard: usize,
+}
+
+impl<P: Payload> Queues<P> {
+    pub(crate) fn new(classes: usize, shard: usize) -> Self {
+        Queues {
+            classes: (0..classes)
+                .map(|_| ClassQueue {
+                    entries: VecDeque::new(),
+                    active: false,
+                    cap_wait: None,
+                    head_paid: false,
+                })
+                .collect(),
+            skipped: vec![false; classes],
+            len: 0,
+            shard,
+        }
+    }
+
+    /// Requests queued.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Queues `entry` at the back of its class.
+    pub(crate) fn push(&mut self, shared: &Classes, entry: Entry<P>) {
+        let c = entry.class;
+        self.classes[c].entries.push_back(entry);
+        self.len += 1;
+        self.sync_active(shared, c);
+    }
+
+    /// Removes every queued request (shutdown), giving back the cap bytes claimed for heads.
+    pub(crate) fn drain(&mut self, shared: &Classes) -> Vec<Entry<P>> {
+        let mut out = Vec::with_capacity(self.len);
+        for c in 0..self.classes.len() {
+            self.release_head_cap(shared, c);
+            out.extend(self.classes[c].entries.drain(..));
+            self.sync_active(shared, c);
+        }
+        self.len = 0;
+        out
+    }
+
+    /// Picks requests for the next reservation, `target` tokens' worth (at least one request,
+    /// possibly overshooting by less than the last one's cost): each time the class with the
+    /// least virtual time that may go, charging its virtual time as it is picked.
+    pub(crate) fn select(
+        &mut self,
+        shared: &Classes,
+        target: u64,
+        stats: &mut [ClassRecorder],
+    ) -> Selection<P> {
+        self.skipped.iter_mut().for_each(|s| *s = false);
+        let mut entries = Vec::new();
+        let mut tokens = 0u64;
+        let mut behind: Option<u64> = None;
+        let mut cap_wait: Option<Duration> = None;
+        while tokens < target {
+            let Some(c) = self.least_virtual_time(shared) else {
+                break;
+            };
+            let q = &mut self.classes[c];
+            let head = q.entries.front().expect("picked classes are non-empty");
+            if head.payload.is_cancelled() {
+                self.release_head_cap(shared, c);
+                self.classes[c].entries.pop_front();
+                self.len -= 1;
+                stats[c].cancelled += 1;
+                self.sync_active(shared, c);
+                continue;
+            }
+            if let Err(wait) = self.cap_ready(shared, c) {
+                self.skipped[c] = true;
+                cap_wait = Some(cap_wait.map_or(wait, |w| w.min(wait)));
+                continue;
+            }
+            if let Err(a) = shared.may_reserve(c, self.shard) {
+                self.skipped[c] = true;
+                behind = Some(behind.map_or(a.tokens, |b| b.min(a.tokens)));
+                continue;
+            }
+            let q = &mut self.classes[c];
+            let e = q.entries.pop_front().expect("non-empty");
+            q.head_paid = false;
+            self.len -= 1;
+            shared.charge(c, self.shard, e.cost);
+            tokens = tokens.saturating_add(e.cost);
+            entries.push(e);
+            self.sync_active(shared, c);
+        }
+        if !entries.is_empty() {
+            Selection::Batch { entries, tokens }
+        } else if self.len == 0 {
+            Selection::Empty
+        } else {
+            Selection::Blocked { behind, cap_wait }
+        }
+    }
+
+    /// The non-empty, not yet skipped class with the least virtual time.
+    fn least_virtual_time(&self, shared: &Classes) -> Option<usize> {
+        let mut best: Option<(u64, usize)> = None;
+        for (c, q) in self.classes.iter().enumerate() {
+            if q.entries.is_empty() || self.skipped[c] {
+                continue;
+            }
+            let v = shared.vtime(c);
+            if best.is_none_or(|(bv, _)| (v.wrapping_sub(bv) as i64) < 0) {
+                best = Some((v, c));
+            }
+        }
+        best.map(|(_, c)| c)
+    }
+
+    /// Whether the head of `c` has its cap bytes (always, for an uncapped class); otherwise
+    /// how long until they are there. Claims them the first time it is asked.
+    fn cap_ready(&mut self, shared: &Classes, c: usize) -> Result<(), Duration> {
+        let Some(cap) = shared.get(c).cap.as_ref() else {
+            return Ok(());
+        };
+        let q = &mut self.classes[c];
+        if q.head_paid {
+            return Ok(());
+        }
+        cap.replenish();
+        let tail = match q.cap_wait {
+            Some(tail) => tail,
+            None => cap.grab(q.entries.front().expect("non-empty").bytes),
+        };
+        let d = cap.deficiency(tail);
+        if d == 0 {
+            q.cap_wait = None;
+            q.head_paid = true;
+            self.sync_active(shared, c);
+            Ok(())
+        } else {
+            let first_time = q.cap_wait.is_none();
+            q.cap_wait = Some(tail);
+            if first_time {
+                self.sync_active(shared, c);
+            }
+            Err(cap.duration_for(d))
+        }
+    }
+
+    /// The head of `c` leaves without being dispatched: give back its claimed cap bytes.
+    fn release_head_cap(&mut self, shared: &Classes, c: usize) {
+        let q = &mut self.classes[c];
+        if q.head_paid || q.cap_wait.is_some() {
+            if let (Some(cap), Some(head)) = (shared.get(c).cap.as_ref(), q.entries.front()) {
+                cap.refund(head.bytes);
+            }
+        }
+        q.head_paid = false;
+        q.cap_wait = None;
+    }
+
+    /// Keeps the class's shared backlog count in step with this queue.
+    fn sync_active(&mut self, shared: &Classes, c: usize) {
+        let q = &mut self.classes[c];
+        let want = !q.entries.is_empty() && q.cap_wait.is_none();
+        if want != q.active {
+            q.active = want;
+            if want {
+                shared.activate(c, self.shard);
+            } else {
+                shared.deactivate(c, self.shard);
+            }
+        }
+    }
+}

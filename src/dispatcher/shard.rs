@@ -1,0 +1,179 @@
+//! The shard loop's logic, [`ShardCore`]: a state machine that takes `now` as an argument, so
+//! that tests drive several shards on one thread with a [`ManualClock`](crate::ManualClock)
+//! and check every token. The shard thread ([`runner`](super::runner)) only adds the channel,
+//! the sleeping and the spawning.
+//!
+//! One [`poll`](ShardCore::poll):
+//!
+//! 1. Replenish the shared bucket, but only when enough time has passed *locally* since this
+//!    shard last did to add at least the threshold (saves the clock read and the CAS).
+//! 2. If a reservation is outstanding and the bucket still owes it tokens (`deficiency > 0`),
+//!    sleep for `duration_for(deficiency)` (no spinning). Otherwise dispatch its requests, and
+//!    refund the cost of those whose handle was dropped meanwhile.
+//! 3. Pick the next batch ([`Queues::select`]): what is queued, class by class in fair order
+//!    (least virtual time first, and only classes the cross-shard fairness rules allow), up to
+//!    the batch target. Grab exactly its cost, and go to 2. Nothing is reserved for requests
+//!    that are not queued: a shard at queue depth 1 reserves one request's cost, never a
+//!    full-limit batch (the 17× collapse of seastar issue #3201 came from full-limit
+//!    reservations).
+//!
+//! At most one reservation per shard is outstanding. The requests of a reservation are chosen
+//! when it is grabbed, and the batch target is small (250 µs of disk time by default), so the
+//! order is decided close to dispatch.
+
+use std::marker::PhantomData;
+use std::time::Duration;
+
+use crate::sync::Arc;
+
+use super::queue::{Entry, Payload, Queues, Selection};
+use super::stats::{ClassRecorder, ClassStats};
+use super::Shared;
+
+/// Shortest and longest sleep of a shard held back by fairness: it re-checks then (the class it
+/// waits for may be slower than the full rate, or may go idle).
+const MIN_FAIRNESS_WAIT: Duration = Duration::from_micros(50);
+const MAX_FAIRNESS_WAIT: Duration = Duration::from_millis(5);
+
+/// What a shard does after a poll.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Next {
+    /// Nothing queued: wait for a request.
+    Idle,
+    /// Poll again after this long (or earlier, when a request arrives).
+    WakeAfter(Duration),
+}
+
+#[derive(Debug)]
+struct Reservation<P> {
+    /// The bucket position the reservation ends at.
+    tail: u64,
+    entries: Vec<Entry<P>>,
+}
+
+/// One shard's state: its queues, its outstanding reservation, its stats.
+#[derive(Debug)]
+pub(crate) struct ShardCore<P> {
+    shared: Arc<Shared>,
+    queues: Queues<P>,
+    reservation: Option<Reservation<P>>,
+    /// Do not replenish before this (local time of last replenish + time for the threshold).
+    next_replenish: Duration,
+    replenish_step: Duration,
+    stats: Vec<ClassRecorder>,
+    /// Shard-local: never leaves its thread.
+    _local: PhantomData<*const ()>,
+}
+
+impl<P: Payload> ShardCore<P> {
+    pub(crate) fn new(shared: Arc<Shared>, shard: usize) -> Self {
+        let n = shared.classes.len();
+        let replenish_step = shared.budget.duration_for(shared.budget.threshold());
+        ShardCore {
+            queues: Queues::new(n, shard),
+            reservation: None,
+            next_replenish: Duration::ZERO,
+            replenish_step,
+            stats: (0..n).map(|_| ClassRecorder::new()).collect(),
+            shared,
+            _local: PhantomData,
+        }
+    }
+
+    /// Queues a request (its cost is at most `max_cost`, checked at submission).
+    pub(crate) fn enqueue(&mut self, entry: Entry<P>) {
+        debug_assert!(entry.cost <= self.shared.max_cost);
+        self.queues.push(&self.shared.classes, entry);
+    }
+
+    /// Nothing queued, nothing reserved.
+    pub(crate) fn is_idle(&self) -> bool {
+        self.queues.len() == 0 && self.reservation.is_none()
+    }
+
+    /// Advances the shard at time `now`: dispatches what may go (through `dispatch`) and says
+    /// when to come back.
+    pub(crate) fn poll(&mut self, now: Duration, dispatch: &mut dyn FnMut(Entry<P>)) -> Next {
+        loop {
+            if now >= self.next_replenish {
+                self.shared.budget.replenish_at(now);
+                self.next_replenish = now + self.replenish_step;
+            }
+            if let Some(res) = &self.reservation {
+                let d = self.shared.budget.deficiency(res.tail);
+                if d > 0 {
+                    let until_replenish = self.next_replenish.saturating_sub(now);
+                    return Next::WakeAfter(
+                        self.shared.budget.duration_for(d).max(until_replenish),
+                    );
+                }
+                let res = self.reservation.take().expect("checked above");
+                self.dispatch(now, res.entries, dispatch);
+            }
+            match self
+                .queues
+                .select(&self.shared.classes, self.shared.batch, &mut self.stats)
+            {
+                Selection::Batch { entries, tokens } => {
+                    let tail = self.shared.budget.grab(tokens);
+                    self.reservation = Some(Reservation { tail, entries });
+                }
+                Selection::Empty => return Next::Idle,
+                Selection::Blocked { behind, cap_wait } => {
+                    let fair = behind.map(|t| {
+                        self.shared
+                            .budget
+                            .duration_for(t)
+                            .clamp(MIN_FAIRNESS_WAIT, MAX_FAIRNESS_WAIT)
+                    });
+                    let wait = match (fair, cap_wait) {
+                        (Some(a), Some(b)) => a.min(b),
+                        (a, b) => a.or(b).unwrap_or(MIN_FAIRNESS_WAIT),
+                    };
+                    return Next::WakeAfter(wait);
+                }
+            }
+        }
+    }
+
+    fn dispatch(&mut self, now: Duration, entries: Vec<Entry<P>>, out: &mut dyn FnMut(Entry<P>)) {
+        let mut unused = 0u64;
+        for e in entries {
+            let rec = &mut self.stats[e.class];
+            if e.payload.is_cancelled() {
+                unused += e.cost;
+                rec.cancelled += 1;
+                continue;
+            }
+            rec.dispatched(e.bytes, e.cost, now.saturating_sub(e.submitted));
+            out(e);
+        }
+        if unused > 0 {
+            self.shared.budget.refund(unused);
+        }
+    }
+
+    /// Removes every request that has not been dispatched (shutdown): the queued ones and the
+    /// reserved ones, whose tokens are refunded.
+    pub(crate) fn drain(&mut self) -> Vec<Entry<P>> {
+        let mut out = Vec::new();
+        if let Some(res) = self.reservation.take() {
+            let unused: u64 = res.entries.iter().map(|e| e.cost).sum();
+            if unused > 0 {
+                self.shared.budget.refund(unused);
+            }
+            out.extend(res.entries);
+        }
+        out.extend(self.queues.drain(&self.shared.classes));
+        out
+    }
+
+    /// A copy of this shard's per-class figures.
+    pub(crate) fn stats(&self) -> Vec<ClassStats> {
+        self.stats
+            .iter()
+            .zip(self.shared.classes.iter())
+            .map(|(r, c)| r.snapshot(c.config.name(), c.config.shares()))
+            .collect()
+    }
+}
