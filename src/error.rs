@@ -350,3 +350,136 @@ pub enum DispatchError {
         message: String,
     },
 }
+
+/// What went wrong in the PostgreSQL limiters ([`crate::pg`]).
+///
+/// Bad input is reported before anything is sent to the server. Server errors keep their
+/// SQLSTATE; serialization failures and deadlocks are retried first (see
+/// [`RetryPolicy`](crate::pg::RetryPolicy)) and only surface as
+/// [`RetriesExhausted`](Self::RetriesExhausted).
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PgLimitError {
+    /// The key is the empty string.
+    #[error("the key is empty")]
+    EmptyKey,
+    /// The key is longer than [`MAX_KEY_BYTES`](crate::pg::MAX_KEY_BYTES).
+    #[error("the key is {len} bytes long, the maximum is {max}")]
+    KeyTooLong {
+        /// The key's length in bytes (UTF-8).
+        len: usize,
+        /// The longest key accepted, in bytes.
+        max: usize,
+    },
+    /// The key contains a NUL character, which PostgreSQL `text` cannot store.
+    #[error("the key contains a NUL character")]
+    KeyHasNul,
+    /// A refill rate of zero or less.
+    #[error("the refill rate must be at least 1 token per second, got {rate}")]
+    InvalidRate {
+        /// The rate, as given.
+        rate: i64,
+    },
+    /// A window (or burst) of zero or less.
+    #[error("the window must be at least 1 second, got {window}")]
+    InvalidWindow {
+        /// The window, as given.
+        window: i64,
+    },
+    /// A burst (bucket capacity) of zero or less.
+    #[error("the burst must be at least 1 token, got {burst}")]
+    InvalidBurst {
+        /// The burst, as given.
+        burst: i64,
+    },
+    /// A request for zero or fewer tokens.
+    #[error("the number of tokens requested must be at least 1, got {n}")]
+    InvalidCount {
+        /// The count, as given.
+        n: i64,
+    },
+    /// A leased-mode request for more tokens than one lease can hold.
+    #[error("{n} tokens requested at once, but a lease holds at most {max}")]
+    TooManyTokens {
+        /// The tokens requested.
+        n: u64,
+        /// The largest lease.
+        max: u64,
+    },
+    /// The bucket would hold more micro-tokens than the 64-bit arithmetic allows.
+    #[error("a bucket of {tokens} tokens is above the maximum of {max} tokens")]
+    CapacityTooLarge {
+        /// The capacity asked for (window × rate, or the burst), in tokens.
+        tokens: i128,
+        /// The largest capacity accepted, in tokens.
+        max: i64,
+    },
+    /// A schema or zone name that is not a plain lower-case identifier.
+    #[error("invalid {what} {name:?}: {reason}")]
+    InvalidName {
+        /// What the name is for ("schema", "zone").
+        what: &'static str,
+        /// The name, as given.
+        name: String,
+        /// Which rule it breaks.
+        reason: &'static str,
+    },
+    /// An option that cannot be honoured.
+    #[error("invalid option {name}: {reason}")]
+    InvalidOption {
+        /// The option's name.
+        name: &'static str,
+        /// Why it was refused.
+        reason: &'static str,
+    },
+    /// The sliding-window zone does not exist.
+    #[error("no sliding-window zone named {zone:?}")]
+    UnknownZone {
+        /// The zone asked for.
+        zone: String,
+    },
+    /// The installed schema is newer than this version of the crate knows.
+    #[error("schema version {found} is newer than the {supported} this crate supports")]
+    SchemaTooNew {
+        /// The version found in the database.
+        found: i32,
+        /// The newest version this crate installs.
+        supported: i32,
+    },
+    /// The limiter's tables are not installed in the schema.
+    #[error("the limiter is not installed in schema {schema:?}: call install() first")]
+    NotInstalled {
+        /// The schema looked in.
+        schema: String,
+    },
+    /// A serialization failure (40001) or deadlock (40P01) persisted through every attempt.
+    #[error("gave up after {attempts} attempts, the last failed with SQLSTATE {sqlstate}")]
+    RetriesExhausted {
+        /// Attempts made.
+        attempts: u32,
+        /// The SQLSTATE of the last failure.
+        sqlstate: String,
+        /// The last failure.
+        #[source]
+        source: tokio_postgres::Error,
+    },
+    /// The connection failed or was closed while a statement was in flight. Whether that
+    /// statement committed is unknown; the next call reconnects.
+    #[error("connection to PostgreSQL lost (the outcome of the call is unknown): {source}")]
+    Connection {
+        /// The driver's error.
+        #[source]
+        source: tokio_postgres::Error,
+    },
+    /// Any other error from the server, with its SQLSTATE.
+    #[error("PostgreSQL error {sqlstate}: {source}")]
+    Db {
+        /// The SQLSTATE code (five characters), or `"?????"` when the server sent none.
+        sqlstate: String,
+        /// The driver's error.
+        #[source]
+        source: tokio_postgres::Error,
+    },
+}

@@ -53,6 +53,9 @@ pub mod clock;
 #[cfg(not(iothrottle_loom))]
 pub mod dispatcher;
 pub mod error;
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub mod pg;
 mod sync;
 pub mod throttle;
 
@@ -70,3 +73,6 @@ pub use throttle::{Permit, Throttle};
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub use error::PgLimitError;

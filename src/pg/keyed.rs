@@ -1,0 +1,338 @@
+//! Strict mode: one statement, one round trip, per call.
+//!
+//! The row keeps `micro` = tokens × 10^6 at time `ts`. A rate of `r` tokens per second adds
+//! exactly `r` micro-tokens per microsecond, the resolution of `timestamptz`, so refill is
+//! exact integer arithmetic: a busy key never loses its refill to rounding (the classic
+//! function's defect), and a drained key called every 0.3 s gets its 0.6 tokens per call.
+//!
+//! Every call is a single `INSERT … ON CONFLICT (id) DO UPDATE … RETURNING`:
+//! - no first-call race: two first calls for a new key cannot both insert;
+//! - **one clock per statement**: the time is `clock_timestamp()` read *once*, in the
+//!   `VALUES` row, and the update uses that same value through `excluded.ts`. `now()` would be
+//!   the transaction start, which under a long transaction lags the commit order; a statement
+//!   that read its clock before another committed a later `ts` refills nothing (never
+//!   negative), and `ts` only moves forward (`greatest(ts, excluded.ts)`).
+
+use std::time::SystemTime;
+
+use super::conn::Conn;
+use super::retry::PgStats;
+use super::schema::{self, Schema};
+use super::{check_classic, check_count, check_key, PgOptions, MICRO};
+use crate::error::PgLimitError;
+
+/// The upsert, with its inputs as SQL expressions: `id` key, `rate` tokens per second,
+/// `cap` capacity in micro-tokens, `n` tokens wanted, `partial` ("up to `n`"), `at` the time
+/// (NULL: the server's `clock_timestamp()`, read once in the `VALUES` row).
+///
+/// The refill and the grant are written out inline rather than calling the installed
+/// `refilled`/`take` SQL functions: the planner does not inline a function whose argument
+/// is used twice and is itself a function call, and the calls cost about a third of the
+/// statement's time.
+pub(crate) fn take_sql(
+    id: &str,
+    rate: &str,
+    cap: &str,
+    n: &str,
+    partial: &str,
+    at: &str,
+) -> String {
+    let avail = format!(
+        "least({cap}, b.micro + least(greatest((extract(epoch FROM excluded.ts - b.ts) * 1000000)::bigint, 0), \
+         {cap} / {rate} + 1) * {rate})"
+    );
+    let take = |avail: &str| {
+        format!(
+            "(CASE WHEN {partial} THEN least({n}, ({avail}) / 1000000) \
+             WHEN ({avail}) >= {n} * 1000000 THEN {n} ELSE 0 END)"
+        )
+    };
+    let first = take(cap);
+    let granted = take(&avail);
+    format!(
+        "INSERT INTO {{s}}.token_bucket AS b (id, micro, ts, granted)\n\
+         VALUES ({id}, {cap} - {first} * 1000000, coalesce({at}, clock_timestamp()), {first})\n\
+         ON CONFLICT (id) DO UPDATE SET\n\
+         micro = {avail} - {granted} * 1000000,\n\
+         ts = greatest(b.ts, excluded.ts),\n\
+         granted = {granted}\n\
+         RETURNING b.micro, b.granted, b.ts"
+    )
+}
+
+/// [`take_sql`] for the prepared statement: `$1` key, `$2` rate, `$3` capacity, `$4` tokens,
+/// `$5` partial, `$6` time.
+fn take_statement() -> String {
+    take_sql(
+        "$1::text",
+        "$2::bigint",
+        "$3::bigint",
+        "$4::bigint",
+        "$5::boolean",
+        "$6::timestamptz",
+    )
+}
+
+/// Read-only: `$1` key, `$2` rate, `$3` capacity, `$4` time.
+const PEEK_SQL: &str = r#"
+SELECT {s}.refilled(b.micro, b.ts, coalesce($4::timestamptz, clock_timestamp()), $2::bigint, $3::bigint)
+FROM {s}.token_bucket b WHERE b.id = $1::text
+"#;
+
+/// Gives back `$4` tokens: `$1` key, `$2` rate, `$3` capacity, `$5` time.
+pub(crate) const GIVE_BACK_SQL: &str = r#"
+UPDATE {s}.token_bucket AS b SET
+    micro = least($3::bigint, {s}.refilled(b.micro, b.ts, c.now, $2::bigint, $3::bigint)
+                              + $4::bigint * 1000000),
+    ts = greatest(b.ts, c.now),
+    granted = 0
+FROM (SELECT coalesce($5::timestamptz, clock_timestamp()) AS now) c
+WHERE b.id = $1::text
+"#;
+
+/// What one statement did to a bucket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Grant {
+    /// Tokens granted by this call.
+    pub granted: i64,
+    /// Micro-tokens (tokens × 10^6) left in the bucket after the call.
+    pub micro_left: i64,
+    /// The bucket's time after the call (the statement's clock, or later).
+    pub at: SystemTime,
+}
+
+impl Grant {
+    /// Whole tokens left.
+    pub fn tokens_left(&self) -> i64 {
+        self.micro_left / MICRO
+    }
+}
+
+/// Strict mode: every call is one round trip running one upsert on the key's row.
+///
+/// Compatible with the classic `rate_limiting_request(id, refill_per_sec, window_seconds)`:
+/// a new key starts with `window_seconds × refill_per_sec` tokens, refills at
+/// `refill_per_sec`, never holds more than the window's worth; a call returns the whole
+/// tokens left after taking one, or `-1` when there was none. Unlike the classic function,
+/// a refused call takes nothing (the classic one can leave a debt of one token), and
+/// fractions of a token are kept exactly.
+///
+/// One limiter is one connection (statements from concurrent tasks are pipelined on it);
+/// make several for parallelism on the server. A lost connection makes the call in flight
+/// fail with [`PgLimitError::Connection`] (it may or may not have taken its token) and the
+/// next call reconnects.
+#[derive(Debug)]
+pub struct PgKeyedLimiter {
+    conn: Conn,
+    schema: Schema,
+    take_sql: String,
+    peek_sql: String,
+    give_back_sql: String,
+}
+
+impl PgKeyedLimiter {
+    /// Connects to `config` (`"host=… user=…"` or `postgresql://…`), without TLS.
+    pub async fn connect(config: &str, options: PgOptions) -> Result<Self, PgLimitError> {
+        let schema = Schema::new(options.schema())?;
+        let conn = Conn::connect(config, options).await?;
+        Ok(PgKeyedLimiter {
+            take_sql: schema.sql(&take_statement()),
+            peek_sql: schema.sql(PEEK_SQL),
+            give_back_sql: schema.sql(GIVE_BACK_SQL),
+            conn,
+            schema,
+        })
+    }
+
+    /// The schema this limiter uses.
+    pub fn schema(&self) -> &Schema {
+        &self.schema
+    }
+
+    /// Creates or upgrades the tables in the limiter's schema ([`schema::install`]).
+    pub async fn install(&self) -> Result<(), PgLimitError> {
+        let live = self.conn.live().await?;
+        schema::install(&live.client, &self.schema).await
+    }
+
+    /// Installs the classic SQL function ([`schema::install_classic_function`]).
+    pub async fn install_classic_function(&self) -> Result<(), PgLimitError> {
+        let live = self.conn.live().await?;
+        schema::install_classic_function(&live.client, &self.schema).await
+    }
+
+    /// Takes one token: the whole tokens left, or `-1` when none was available.
+    pub async fn request(
+        &self,
+        id: &str,
+        refill_per_sec: i32,
+        window_seconds: i32,
+    ) -> Result<i64, PgLimitError> {
+        self.request_n(id, refill_per_sec, window_seconds, 1).await
+    }
+
+    /// Takes `n` tokens, all or nothing: the whole tokens left, or `-1` when fewer than `n`
+    /// were available (then nothing is taken).
+    pub async fn request_n(
+        &self,
+        id: &str,
+        refill_per_sec: i32,
+        window_seconds: i32,
+        n: i64,
+    ) -> Result<i64, PgLimitError> {
+        let g = self
+            .take(id, refill_per_sec, window_seconds, n, false, None)
+            .await?;
+        Ok(if g.granted == n { g.tokens_left() } else { -1 })
+    }
+
+    /// [`request_n`](Self::request_n) at a time given by the caller instead of the server's
+    /// clock: for tests and replays. Times earlier than the bucket's refill nothing.
+    pub async fn request_n_at(
+        &self,
+        id: &str,
+        refill_per_sec: i32,
+        window_seconds: i32,
+        n: i64,
+        at: SystemTime,
+    ) -> Result<i64, PgLimitError> {
+        let g = self
+            .take(id, refill_per_sec, window_seconds, n, false, Some(at))
+            .await?;
+        Ok(if g.granted == n { g.tokens_left() } else { -1 })
+    }
+
+    /// Tokens available now (whole tokens, the window's worth for an unknown key), without
+    /// taking any or writing anything.
+    pub async fn peek(
+        &self,
+        id: &str,
+        refill_per_sec: i32,
+        window_seconds: i32,
+    ) -> Result<i64, PgLimitError> {
+        self.peek_inner(id, refill_per_sec, window_seconds, None)
+            .await
+    }
+
+    /// [`peek`](Self::peek) at a time given by the caller.
+    pub async fn peek_at(
+        &self,
+        id: &str,
+        refill_per_sec: i32,
+        window_seconds: i32,
+        at: SystemTime,
+    ) -> Result<i64, PgLimitError> {
+        self.peek_inner(id, refill_per_sec, window_seconds, Some(at))
+            .await
+    }
+
+    async fn peek_inner(
+        &self,
+        id: &str,
+        refill_per_sec: i32,
+        window_seconds: i32,
+        at: Option<SystemTime>,
+    ) -> Result<i64, PgLimitError> {
+        check_key(id)?;
+        let cap = check_classic(refill_per_sec.into(), window_seconds.into())?;
+        let rate = i64::from(refill_per_sec);
+        let sql = self.peek_sql.as_str();
+        let micro: Option<i64> = self
+            .conn
+            .run(|live| async move {
+                let st = live.prepared(sql).await?;
+                let row = live.client.query_opt(&st, &[&id, &rate, &cap, &at]).await?;
+                Ok(row.map(|r| r.get(0)))
+            })
+            .await?;
+        Ok(micro.unwrap_or(cap) / MICRO)
+    }
+
+    /// The general statement behind every mode: take `n` tokens (all or nothing, or up to `n`
+    /// when `partial`) from a bucket of `refill_per_sec` and `window_seconds`.
+    pub async fn take(
+        &self,
+        id: &str,
+        refill_per_sec: i32,
+        window_seconds: i32,
+        n: i64,
+        partial: bool,
+        at: Option<SystemTime>,
+    ) -> Result<Grant, PgLimitError> {
+        let cap = check_classic(refill_per_sec.into(), window_seconds.into())?;
+        self.take_raw(id, refill_per_sec.into(), cap, n, partial, at)
+            .await
+    }
+
+    /// [`take`](Self::take) with the rate in tokens per second and the capacity in
+    /// micro-tokens, both already checked.
+    pub(crate) async fn take_raw(
+        &self,
+        id: &str,
+        rate: i64,
+        cap_micro: i64,
+        n: i64,
+        partial: bool,
+        at: Option<SystemTime>,
+    ) -> Result<Grant, PgLimitError> {
+        check_key(id)?;
+        check_count(n)?;
+        let sql = self.take_sql.as_str();
+        self.conn
+            .run(|live| async move {
+                let st = live.prepared(sql).await?;
+                let row = live
+                    .client
+                    .query_one(&st, &[&id, &rate, &cap_micro, &n, &partial, &at])
+                    .await?;
+                Ok(Grant {
+                    micro_left: row.get(0),
+                    granted: row.get(1),
+                    at: row.get(2),
+                })
+            })
+            .await
+    }
+
+    /// Gives `n` tokens taken earlier but not used back to the key's bucket (never above its
+    /// capacity).
+    pub async fn give_back(
+        &self,
+        id: &str,
+        refill_per_sec: i32,
+        window_seconds: i32,
+        n: i64,
+    ) -> Result<(), PgLimitError> {
+        let cap = check_classic(refill_per_sec.into(), window_seconds.into())?;
+        self.give_back_raw(id, refill_per_sec.into(), cap, n, None)
+            .await
+    }
+
+    /// [`give_back`](Self::give_back) with the rate and capacity already checked.
+    pub(crate) async fn give_back_raw(
+        &self,
+        id: &str,
+        rate: i64,
+        cap_micro: i64,
+        n: i64,
+        at: Option<SystemTime>,
+    ) -> Result<(), PgLimitError> {
+        check_key(id)?;
+        check_count(n)?;
+        let sql = self.give_back_sql.as_str();
+        self.conn
+            .run(|live| async move {
+                let st = live.prepared(sql).await?;
+                live.client
+                    .execute(&st, &[&id, &rate, &cap_micro, &n, &at])
+                    .await?;
+                Ok(())
+            })
+            .await
+    }
+
+    /// The counters: calls, retries, connections.
+    pub fn stats(&self) -> PgStats {
+        self.conn.stats.snapshot()
+    }
+}

@@ -1,0 +1,864 @@
+//! Leased mode: the global rate at local speed.
+//!
+//! Each process keeps, per hot key, a local [`SharedTokenBucket`] that is **never refilled by
+//! time**: its only source of tokens is leases, batches taken from the key's Postgres row by
+//! the strict-mode statement in its "take up to N" form. A call takes its tokens from the
+//! local bucket (a couple of atomic operations, no round trip); the database sees one
+//! statement per lease.
+//!
+//! - **Refill before running dry**: when a grant leaves fewer than half a lease locally, a
+//!   background task leases the next batch while calls keep being served.
+//! - **Leases follow consumption**: a lease covers `lease_period` of the key's local
+//!   consumption rate (measured between leases), between `min_lease` and `max_lease`.
+//! - **Trickle, not lump**: when the global bucket cannot fill a lease (it is empty), the key
+//!   asks again at most every `trickle_interval`, and each time gets what has accrued since:
+//!   grants arrive spread over time at the global rate, and calls in between are refused
+//!   locally without a round trip.
+//! - **Unused tokens go back** on [`shutdown`](PgLeasedLimiter::shutdown) and when a key is
+//!   evicted. Dropping a limiter without `shutdown` loses the tokens it held (the keys are
+//!   under-used for a moment; never over-used).
+//! - **Bounded memory**: at most `max_keys` keys are kept; keys idle for `idle_timeout` are
+//!   evicted first, then the least recently used.
+//!
+//! # The bound
+//!
+//! Across `K` processes on one key, the tokens granted to callers during any window of
+//! length `W` are at most
+//!
+//! ```text
+//! rate × W + burst + K × max_lease
+//! ```
+//!
+//! Proof sketch: a process never holds more than `max_lease` tokens locally (a lease asks for
+//! at most `max_lease - held`, and only one lease per key is in flight). Tokens granted in
+//! the window were either held locally at its start (at most `K × max_lease`) or leased in it,
+//! net of those given back; and what can be leased net of returns is at most what the global
+//! bucket held at the start (at most `burst`) plus its refill (`rate × W`, exact in
+//! micro-tokens). A server crash with `synchronous_commit = off` can forget recent leases
+//! and break this bound by what it forgot.
+//!
+//! # Orderings
+//!
+//! The per-key `last_used` and `low` and the statistics are `Relaxed`: they feed estimates
+//! (idle eviction, when to refill) and counts, never a decision that other memory depends on.
+//! Everything else about leasing (the consumption estimate, the evicted flag) lives under the
+//! key's lease mutex. The local bucket's own atomics are the bucket's business. The fast path
+//! does one RMW on the bucket's `tail` and nothing else shared, so a hot key scales.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, RwLock};
+use std::time::{Duration, SystemTime};
+
+use super::keyed::PgKeyedLimiter;
+use super::retry::PgStats;
+use super::{check_bucket, check_key, PgOptions, MAX_CAPACITY};
+use crate::bucket::{BucketConfig, BucketState, Rate, SharedTokenBucket, Uncapped};
+use crate::clock::{Clock, MonotonicClock};
+use crate::error::PgLimitError;
+use crate::sync::{Arc, AtomicU64, Ordering};
+
+/// Where the database statements of a leased limiter take their time from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DbTime {
+    /// The server's `clock_timestamp()` (production).
+    Server,
+    /// `origin + clock.now()` from the limiter's [`Clock`]: tests and simulations drive the
+    /// database's time with a [`ManualClock`](crate::ManualClock).
+    Clock {
+        /// The wall-clock time of the clock's zero.
+        origin: SystemTime,
+    },
+}
+
+/// The global bucket of a leased key and how leases are sized.
+///
+/// ```
+/// use std::time::Duration;
+/// use iothrottle::pg::LeaseOptions;
+///
+/// let o = LeaseOptions::new(10_000, 1_000, 500)?
+///     .with_lease_period(Duration::from_millis(50))
+///     .with_max_keys(1_000);
+/// assert_eq!(o.max_lease(), 500);
+/// assert!(LeaseOptions::new(0, 1_000, 500).is_err());
+/// # Ok::<(), iothrottle::PgLimitError>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseOptions {
+    rate: i64,
+    burst: i64,
+    max_lease: u64,
+    min_lease: u64,
+    lease_period: Duration,
+    trickle_interval: Duration,
+    max_keys: usize,
+    idle_timeout: Duration,
+}
+
+impl LeaseOptions {
+    /// Every key's global bucket refills at `rate` tokens per second up to `burst` tokens; a
+    /// process holds at most `max_lease` tokens of a key (also the largest lease, and the
+    /// largest single request). Defaults: leases of 50 ms of consumption, at least 1 token,
+    /// trickle every 10 ms, 10 000 keys, idle after 60 s.
+    pub fn new(rate: i64, burst: i64, max_lease: u64) -> Result<Self, PgLimitError> {
+        let o = LeaseOptions {
+            rate,
+            burst,
+            max_lease,
+            min_lease: 1,
+            lease_period: Duration::from_millis(50),
+            trickle_interval: Duration::from_millis(10),
+            max_keys: 10_000,
+            idle_timeout: Duration::from_secs(60),
+        };
+        o.validate()?;
+        Ok(o)
+    }
+
+    /// Leases cover this much of the key's local consumption.
+    pub fn with_lease_period(mut self, period: Duration) -> Self {
+        self.lease_period = period;
+        self
+    }
+
+    /// The smallest lease asked for outside trickling.
+    pub fn with_min_lease(mut self, min_lease: u64) -> Self {
+        self.min_lease = min_lease;
+        self
+    }
+
+    /// When the global bucket is empty, ask at most this often.
+    pub fn with_trickle_interval(mut self, every: Duration) -> Self {
+        self.trickle_interval = every;
+        self
+    }
+
+    /// At most this many keys are kept locally.
+    pub fn with_max_keys(mut self, max_keys: usize) -> Self {
+        self.max_keys = max_keys;
+        self
+    }
+
+    /// Keys unused for this long are evicted first (and by
+    /// [`evict_idle`](PgLeasedLimiter::evict_idle)).
+    pub fn with_idle_timeout(mut self, idle: Duration) -> Self {
+        self.idle_timeout = idle;
+        self
+    }
+
+    /// The global rate, tokens per second.
+    pub fn rate(&self) -> i64 {
+        self.rate
+    }
+
+    /// The global burst, tokens.
+    pub fn burst(&self) -> i64 {
+        self.burst
+    }
+
+    /// The largest lease (and local holding) per key and process.
+    pub fn max_lease(&self) -> u64 {
+        self.max_lease
+    }
+
+    /// The stated bound: the most tokens `processes` processes can grant on one key during
+    /// any window of length `window`: `rate × window + burst + processes × max_lease`.
+    pub fn bound(&self, processes: u64, window: Duration) -> u128 {
+        self.rate as u128 * window.as_micros() / 1_000_000
+            + self.burst as u128
+            + processes as u128 * self.max_lease as u128
+    }
+
+    /// Checks every option.
+    pub fn validate(&self) -> Result<(), PgLimitError> {
+        check_bucket(self.rate, self.burst as i128)?;
+        if self.max_lease == 0 || self.max_lease > MAX_CAPACITY as u64 {
+            return Err(PgLimitError::InvalidOption {
+                name: "max_lease",
+                reason: "must be in 1..=MAX_CAPACITY",
+            });
+        }
+        if self.min_lease == 0 || self.min_lease > self.max_lease {
+            return Err(PgLimitError::InvalidOption {
+                name: "min_lease",
+                reason: "must be in 1..=max_lease",
+            });
+        }
+        if self.lease_period.is_zero() {
+            return Err(PgLimitError::InvalidOption {
+                name: "lease_period",
+                reason: "must be positive",
+            });
+        }
+        if self.max_keys == 0 {
+            return Err(PgLimitError::InvalidOption {
+                name: "max_keys",
+                reason: "must be at least 1",
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A snapshot of a leased limiter's counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct LeaseStats {
+    /// Tokens granted to callers.
+    pub granted: u64,
+    /// Calls refused after trying to lease (calls refused at once while trickling are not
+    /// counted: counting them would cost the fast path a shared write).
+    pub refused: u64,
+    /// Lease statements run.
+    pub leases: u64,
+    /// Tokens leased from the database.
+    pub leased: u64,
+    /// Leases that got less than they asked for (the global bucket was short).
+    pub short_leases: u64,
+    /// Tokens given back to the database.
+    pub returned: u64,
+    /// Keys evicted (idle or to make room).
+    pub evictions: u64,
+    /// The largest lease asked for.
+    pub largest_lease: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    refused: AtomicU64,
+    leases: AtomicU64,
+    leased: AtomicU64,
+    short_leases: AtomicU64,
+    returned: AtomicU64,
+    evictions: AtomicU64,
+    largest_lease: AtomicU64,
+}
+
+/// Lease control of one key; only touched under the key's lease mutex.
+#[derive(Debug)]
+struct LeaseCtl {
+    /// Estimated local consumption, tokens per second.
+    rate_est: f64,
+    /// Tokens leased into this key's bucket so far (consumed = this - held).
+    leased_total: u64,
+    /// When the estimate was last updated, and the tokens consumed then.
+    sampled_at: Duration,
+    consumed_then: u64,
+    /// Trickling: no lease before this time.
+    not_before: Option<Duration>,
+    /// The size of the last lease asked for.
+    last_ask: u64,
+    /// Evicted or shut down: the state is dead, its tokens were given back.
+    dead: bool,
+}
+
+#[derive(Debug)]
+struct KeyState<C: Clock> {
+    /// Local tokens: filled only by leases (`refund`), never replenished by time.
+    bucket: SharedTokenBucket<Uncapped, C>,
+    /// Nanoseconds on the limiter's clock of the last call (updated at most every ms).
+    last_used: AtomicU64,
+    /// Refill when fewer tokens than this are left: half the current lease size.
+    low: AtomicU64,
+    /// 1 while a background refill is spawned or running.
+    refilling: AtomicU64,
+    /// Trickling: nanoseconds on the limiter's clock before which no lease will be asked
+    /// for (0: not trickling). A copy of `LeaseCtl::not_before` that calls can read without
+    /// the mutex, to refuse at once.
+    trickle_until: AtomicU64,
+    ctl: tokio::sync::Mutex<LeaseCtl>,
+}
+
+impl<C: Clock> KeyState<C> {
+    /// Records a use at `now`; writes at most once per millisecond so that a hot key's
+    /// callers do not all write one cache line.
+    fn touch(&self, now: Duration) {
+        let now = now.as_nanos() as u64;
+        // Relaxed: an estimate for idle eviction.
+        if now > self.last_used.load(Ordering::Relaxed) + 1_000_000 {
+            self.last_used.store(now, Ordering::Relaxed);
+        }
+    }
+
+    /// Takes `n` local tokens or none.
+    fn try_take(&self, n: u64) -> bool {
+        let tail = self.bucket.grab(n);
+        if self.bucket.deficiency(tail) == 0 {
+            return true;
+        }
+        // Not all there: give the claim back (head moves by what tail moved).
+        self.bucket.refund(n);
+        false
+    }
+
+    /// Takes every local token; returns how many.
+    fn drain(&self) -> u64 {
+        let avail = self.bucket.available();
+        if avail == 0 {
+            return 0;
+        }
+        let tail = self.bucket.grab(avail);
+        let short = self.bucket.deficiency(tail);
+        if short > 0 {
+            self.bucket.refund(short);
+        }
+        avail - short
+    }
+}
+
+#[derive(Debug)]
+struct Inner<C: Clock> {
+    db: PgKeyedLimiter,
+    opts: LeaseOptions,
+    cap_micro: i64,
+    clock: C,
+    db_time: DbTime,
+    keys: RwLock<HashMap<String, Arc<KeyState<C>>>>,
+    /// Serialises inserts that may evict, so two of them do not both evict.
+    admit: Mutex<()>,
+    counters: Counters,
+}
+
+/// Leased mode: a local bucket per hot key, filled by leasing batches from the key's row.
+/// See the [module docs](self) for the algorithm and the bound it keeps.
+///
+/// Uses the same table and statement as [`PgKeyedLimiter`], so strict-mode callers and
+/// leased processes can share a key (strict callers see the tokens the leases left).
+#[derive(Debug)]
+pub struct PgLeasedLimiter<C: Clock + Clone + 'static = MonotonicClock> {
+    inner: Arc<Inner<C>>,
+}
+
+impl PgLeasedLimiter<MonotonicClock> {
+    /// Connects to `config`, with the monotonic clock and the server's time.
+    pub async fn connect(
+        config: &str,
+        options: PgOptions,
+        lease: LeaseOptions,
+    ) -> Result<Self, PgLimitError> {
+        Self::with_clock(
+            config,
+            options,
+            lease,
+            MonotonicClock::new(),
+            DbTime::Server,
+        )
+        .await
+    }
+}
+
+impl<C: Clock + Clone + std::fmt::Debug + 'static> PgLeasedLimiter<C> {
+    /// Connects with a clock of the caller's choice; with [`DbTime::Clock`] the database
+    /// statements use that clock too.
+    pub async fn with_clock(
+        config: &str,
+        options: PgOptions,
+        lease: LeaseOptions,
+        clock: C,
+        db_time: DbTime,
+    ) -> Result<Self, PgLimitError> {
+        lease.validate()?;
+        let cap_micro = check_bucket(lease.rate, lease.burst as i128)?;
+        let db = PgKeyedLimiter::connect(config, options).await?;
+        Ok(PgLeasedLimiter {
+            inner: Arc::new(Inner {
+                db,
+                opts: lease,
+                cap_micro,
+                clock,
+                db_time,
+                keys: RwLock::new(HashMap::new()),
+                admit: Mutex::new(()),
+                counters: Counters::default(),
+            }),
+        })
+    }
+
+    /// Creates or upgrades the tables ([`install`](super::install)).
+    pub async fn install(&self) -> Result<(), PgLimitError> {
+        self.inner.db.install().await
+    }
+
+    /// The options.
+    pub fn options(&self) -> &LeaseOptions {
+        &self.inner.opts
+    }
+
+    /// Takes one token of `key`.
+    pub async fn try_acquire_one(&self, key: &str) -> Result<bool, PgLimitError> {
+        self.try_acquire(key, 1).await
+    }
+
+    /// Takes `n` tokens of `key`, all or none. `Ok(false)`: refused (the global bucket is
+    /// short). Errors: bad input; [`PgLimitError::Connection`] or a server error when the
+    /// local tokens ran out and no lease could be taken.
+    ///
+    /// Under contention a call may be refused while tokens are transiently claimed by another
+    /// call that is itself failing; it then takes the slow path, which tries again.
+    pub async fn try_acquire(&self, key: &str, n: u64) -> Result<bool, PgLimitError> {
+        self.check_request(key, n)?;
+        // Fast path: under the map's read lock, no reference count touched.
+        {
+            let keys = self.inner.keys.read().expect("key map");
+            if let Some(ks) = keys.get(key) {
+                if let Some(ok) = self.inner.fast_take(key, ks, n) {
+                    return Ok(ok);
+                }
+            }
+        }
+        let ks = self.inner.key_state(key).await;
+        self.inner.slow_take(key, ks, n).await.map(|(ok, _)| ok)
+    }
+
+    /// A handle on one key, for a caller that uses it repeatedly: its calls skip the key
+    /// lookup. The handle follows the key across evictions.
+    pub async fn key(&self, key: &str) -> Result<LeasedKey<C>, PgLimitError> {
+        check_key(key)?;
+        let state = self.inner.key_state(key).await;
+        Ok(LeasedKey {
+            inner: self.inner.clone(),
+            key: key.to_owned(),
+            state,
+        })
+    }
+
+    fn check_request(&self, key: &str, n: u64) -> Result<(), PgLimitError> {
+        check_key(key)?;
+        if n == 0 {
+            return Err(PgLimitError::InvalidCount { n: 0 });
+        }
+        if n > self.inner.opts.max_lease {
+            return Err(PgLimitError::TooManyTokens {
+                n,
+                max: self.inner.opts.max_lease,
+            });
+        }
+        Ok(())
+    }
+
+    /// Tokens of `key` held locally now.
+    pub fn local_tokens(&self, key: &str) -> u64 {
+        let keys = self.inner.keys.read().expect("key map");
+        keys.get(key).map_or(0, |k| k.bucket.available())
+    }
+
+    /// Keys held locally now.
+    pub fn local_keys(&self) -> usize {
+        self.inner.keys.read().expect("key map").len()
+    }
+
+    /// Evicts the keys idle for `idle_timeout`, giving their tokens back. Returns how many.
+    pub async fn evict_idle(&self) -> Result<usize, PgLimitError> {
+        let now = self.inner.clock.now().as_nanos() as u64;
+        let idle = self.inner.opts.idle_timeout.as_nanos() as u64;
+        let doomed: Vec<(String, Arc<KeyState<C>>)> = {
+            let mut keys = self.inner.keys.write().expect("key map");
+            let names: Vec<String> = keys
+                .iter()
+                // Relaxed: an estimate (see module doc).
+                .filter(|(_, k)| now.saturating_sub(k.last_used.load(Ordering::Relaxed)) >= idle)
+                .map(|(name, _)| name.clone())
+                .collect();
+            names
+                .into_iter()
+                .filter_map(|n| keys.remove(&n).map(|k| (n, k)))
+                .collect()
+        };
+        let count = doomed.len();
+        // Relaxed: statistics.
+        self.inner
+            .counters
+            .evictions
+            .fetch_add(count as u64, Ordering::Relaxed);
+        let mut first_err = None;
+        for (name, ks) in doomed {
+            if let Err(e) = self.inner.retire(&name, &ks).await {
+                first_err.get_or_insert(e);
+            }
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(count),
+        }
+    }
+
+    /// Gives every local token back to the database and forgets all keys. Returns the
+    /// tokens given back. The limiter stays usable (keys lease again on the next call).
+    pub async fn shutdown(&self) -> Result<u64, PgLimitError> {
+        let all: Vec<(String, Arc<KeyState<C>>)> =
+            self.inner.keys.write().expect("key map").drain().collect();
+        let mut total = 0;
+        let mut first_err = None;
+        for (name, ks) in all {
+            match self.inner.retire(&name, &ks).await {
+                Ok(n) => total += n,
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(total),
+        }
+    }
+
+    /// The leasing counters. `granted` is derived (leased − returned − held locally), so it
+    /// is exact when no call is in flight.
+    pub fn stats(&self) -> LeaseStats {
+        let c = &self.inner.counters;
+        let held: u64 = self
+            .inner
+            .keys
+            .read()
+            .expect("key map")
+            .values()
+            .map(|k| k.bucket.available())
+            .sum();
+        // Relaxed: statistics.
+        let leased = c.leased.load(Ordering::Relaxed);
+        let returned = c.returned.load(Ordering::Relaxed);
+        LeaseStats {
+            granted: leased.saturating_sub(returned).saturating_sub(held),
+            refused: c.refused.load(Ordering::Relaxed),
+            leases: c.leases.load(Ordering::Relaxed),
+            leased: c.leased.load(Ordering::Relaxed),
+            short_leases: c.short_leases.load(Ordering::Relaxed),
+            returned: c.returned.load(Ordering::Relaxed),
+            evictions: c.evictions.load(Ordering::Relaxed),
+            largest_lease: c.largest_lease.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The database connection's counters (statements, retries, reconnects).
+    pub fn db_stats(&self) -> PgStats {
+        self.inner.db.stats()
+    }
+}
+
+/// One key of a [`PgLeasedLimiter`], from [`PgLeasedLimiter::key`]: the same calls without
+/// the key lookup. Meant to be owned by one task (calls take `&mut self`); make one per task.
+#[derive(Debug)]
+pub struct LeasedKey<C: Clock + Clone + 'static = MonotonicClock> {
+    inner: Arc<Inner<C>>,
+    key: String,
+    state: Arc<KeyState<C>>,
+}
+
+impl<C: Clock + Clone + std::fmt::Debug + 'static> LeasedKey<C> {
+    /// The key.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// [`PgLeasedLimiter::try_acquire`] on this key.
+    pub async fn try_acquire(&mut self, n: u64) -> Result<bool, PgLimitError> {
+        if n == 0 {
+            return Err(PgLimitError::InvalidCount { n: 0 });
+        }
+        if n > self.inner.opts.max_lease {
+            return Err(PgLimitError::TooManyTokens {
+                n,
+                max: self.inner.opts.max_lease,
+            });
+        }
+        if let Some(ok) = self.inner.fast_take(&self.key, &self.state, n) {
+            return Ok(ok);
+        }
+        let (ok, state) = self
+            .inner
+            .slow_take(&self.key, self.state.clone(), n)
+            .await?;
+        self.state = state;
+        Ok(ok)
+    }
+}
+
+impl<C: Clock + Clone + std::fmt::Debug + 'static> Inner<C> {
+    /// Takes `n` local tokens if they are there, and starts a background lease when few are
+    /// left. No round trip, no lock. `Some(false)`: refused at once (trickling, nothing
+    /// local); `None`: go to the slow path.
+    fn fast_take(self: &Arc<Self>, key: &str, ks: &Arc<KeyState<C>>, n: u64) -> Option<bool> {
+        let now = self.clock.now();
+        ks.touch(now);
+        if !ks.try_take(n) {
+            // Relaxed: a hint (see the field).
+            let until = ks.trickle_until.load(Ordering::Relaxed);
+            return ((now.as_nanos() as u64) < until).then_some(false);
+        }
+        // Relaxed: an estimate.
+        if ks.bucket.available() < ks.low.load(Ordering::Relaxed) {
+            self.refill_in_background(key, ks);
+        }
+        Some(true)
+    }
+
+    /// The slow path: lease under the key's mutex (or wait for the lease in flight), then
+    /// try again. Returns the outcome and the key's current state (a new one if `ks` was
+    /// evicted meanwhile).
+    async fn slow_take(
+        self: &Arc<Self>,
+        key: &str,
+        mut ks: Arc<KeyState<C>>,
+        n: u64,
+    ) -> Result<(bool, Arc<KeyState<C>>), PgLimitError> {
+        for _ in 0..4 {
+            ks.touch(self.clock.now());
+            if ks.try_take(n) {
+                return Ok((true, ks));
+            }
+            let mut ctl = ks.ctl.lock().await;
+            if ctl.dead {
+                drop(ctl);
+                ks = self.key_state(key).await; // evicted meanwhile: look the key up again
+                continue;
+            }
+            if ks.try_take(n) {
+                return Ok((true, ks.clone()));
+            }
+            let leased = self.lease(key, &ks, &mut ctl, n, true).await?;
+            drop(ctl);
+            let ok = leased > 0 && ks.try_take(n);
+            if !ok {
+                // Relaxed: statistics.
+                self.counters.refused.fetch_add(1, Ordering::Relaxed);
+            }
+            return Ok((ok, ks));
+        }
+        // Relaxed: statistics.
+        self.counters.refused.fetch_add(1, Ordering::Relaxed);
+        Ok((false, ks))
+    }
+
+    fn at(&self) -> Option<SystemTime> {
+        match self.db_time {
+            DbTime::Server => None,
+            DbTime::Clock { origin } => Some(origin + self.clock.now()),
+        }
+    }
+
+    fn lease_size(&self, ctl: &LeaseCtl) -> u64 {
+        let want = (ctl.rate_est * self.opts.lease_period.as_secs_f64()).ceil();
+        (want as u64).clamp(self.opts.min_lease, self.opts.max_lease)
+    }
+
+    /// The key's state, created (evicting if full) when missing.
+    async fn key_state(&self, key: &str) -> Arc<KeyState<C>> {
+        if let Some(k) = self.keys.read().expect("key map").get(key) {
+            return k.clone();
+        }
+        let evicted = {
+            let _one = self.admit.lock().expect("admit");
+            if let Some(k) = self.keys.read().expect("key map").get(key) {
+                return k.clone();
+            }
+            let mut keys = self.keys.write().expect("key map");
+            let mut evicted = Vec::new();
+            if keys.len() >= self.opts.max_keys {
+                let now = self.clock.now().as_nanos() as u64;
+                let idle = self.opts.idle_timeout.as_nanos() as u64;
+                // Relaxed: estimates (see module doc).
+                let idle_keys: Vec<String> = keys
+                    .iter()
+                    .filter(|(_, k)| {
+                        now.saturating_sub(k.last_used.load(Ordering::Relaxed)) >= idle
+                    })
+                    .map(|(n, _)| n.clone())
+                    .collect();
+                for n in idle_keys {
+                    evicted.extend(keys.remove(&n).map(|k| (n, k)));
+                }
+                if keys.len() >= self.opts.max_keys {
+                    let lru = keys
+                        .iter()
+                        // Relaxed: an estimate (see module doc).
+                        .min_by_key(|(_, k)| k.last_used.load(Ordering::Relaxed))
+                        .map(|(n, _)| n.clone())
+                        .expect("the map is full, so not empty");
+                    evicted.extend(keys.remove(&lru).map(|k| (lru, k)));
+                }
+            }
+            let ks = Arc::new(self.new_key_state());
+            keys.insert(key.to_owned(), ks.clone());
+            (ks, evicted)
+        };
+        let (ks, evicted) = evicted;
+        // Relaxed: statistics.
+        self.counters
+            .evictions
+            .fetch_add(evicted.len() as u64, Ordering::Relaxed);
+        for (name, old) in evicted {
+            if let Err(e) = self.retire(&name, &old).await {
+                tracing::warn!(key = %name, error = %e, "giving back an evicted key's tokens failed");
+            }
+        }
+        ks
+    }
+
+    fn new_key_state(&self) -> KeyState<C> {
+        let cfg = BucketConfig::new(Rate::per_second(self.opts.rate as u64), self.opts.max_lease);
+        let empty = BucketState {
+            tail: 0,
+            head: 0,
+            ceil: None,
+        };
+        let now = self.clock.now();
+        KeyState {
+            bucket: SharedTokenBucket::from_state(cfg, self.clock.clone(), empty)
+                .expect("options validated: rate and max_lease are in range"),
+            last_used: AtomicU64::new(now.as_nanos() as u64),
+            low: AtomicU64::new(0),
+            refilling: AtomicU64::new(0),
+            trickle_until: AtomicU64::new(0),
+            ctl: tokio::sync::Mutex::new(LeaseCtl {
+                rate_est: 0.0,
+                leased_total: 0,
+                sampled_at: now,
+                consumed_then: 0,
+                not_before: None,
+                last_ask: 0,
+                dead: false,
+            }),
+        }
+    }
+
+    /// Takes a lease for `key` (the caller holds `ctl`); returns the tokens leased. `dry`:
+    /// a caller found no local token, so the last lease was too small.
+    async fn lease(
+        &self,
+        key: &str,
+        ks: &KeyState<C>,
+        ctl: &mut LeaseCtl,
+        at_least: u64,
+        dry: bool,
+    ) -> Result<u64, PgLimitError> {
+        let now = self.clock.now();
+        if let Some(t) = ctl.not_before {
+            if now < t {
+                return Ok(0); // trickling: the global bucket was empty a moment ago
+            }
+        }
+        // Update the consumption estimate (tokens per second since the last sample).
+        // Consumption since the last sample, over at least 1 ms (so that a key that is hot
+        // from its first call ramps up within a few leases instead of leasing min_lease per
+        // call until a millisecond has passed).
+        let elapsed = now
+            .saturating_sub(ctl.sampled_at)
+            .max(Duration::from_millis(1));
+        let consumed = ctl.leased_total - ks.bucket.available().min(ctl.leased_total);
+        if consumed > ctl.consumed_then || now >= ctl.sampled_at + Duration::from_millis(1) {
+            let rate = (consumed - ctl.consumed_then) as f64 / elapsed.as_secs_f64();
+            ctl.rate_est = if ctl.rate_est == 0.0 {
+                rate
+            } else {
+                0.5 * ctl.rate_est + 0.5 * rate
+            };
+            ctl.sampled_at = now;
+            ctl.consumed_then = consumed;
+        }
+        let held = ks.bucket.available();
+        let room = self.opts.max_lease.saturating_sub(held);
+        let mut want = self.lease_size(ctl).max(at_least);
+        if dry && ctl.not_before.is_none() {
+            // Running dry while the global bucket is not short: the consumption estimate is
+            // held down by the leases themselves (a key cannot consume faster than it is
+            // leased to), so grow geometrically, like a slow start.
+            want = want.max(ctl.last_ask.saturating_mul(2));
+        }
+        let ask = want.min(self.opts.max_lease).min(room);
+        if ask == 0 {
+            return Ok(0);
+        }
+        // Relaxed: statistics.
+        self.counters.leases.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .largest_lease
+            .fetch_max(ask, Ordering::Relaxed);
+        let g = self
+            .db
+            .take_raw(
+                key,
+                self.opts.rate,
+                self.cap_micro,
+                ask as i64,
+                true,
+                self.at(),
+            )
+            .await?;
+        let got = g.granted.max(0) as u64;
+        if got > 0 {
+            let fitted = ks.bucket.refund(got);
+            debug_assert_eq!(
+                fitted, got,
+                "a lease never overfills: ask <= max_lease - held"
+            );
+            ctl.leased_total += got;
+            // Relaxed: statistics.
+            self.counters.leased.fetch_add(got, Ordering::Relaxed);
+        }
+        if got < ask {
+            // Relaxed: statistics.
+            self.counters.short_leases.fetch_add(1, Ordering::Relaxed);
+            // Ask again when about a quarter of the burst has accrued, or after the trickle
+            // interval if sooner: waiting longer would let the global bucket overflow its
+            // burst and discard refill (the rate would not be held).
+            let burst_time =
+                Duration::from_secs_f64(self.opts.burst as f64 / self.opts.rate as f64);
+            let until = now + self.opts.trickle_interval.min(burst_time / 4);
+            ctl.not_before = Some(until);
+            // Relaxed: a hint for refusing without the mutex; the mutex-held copy decides.
+            ks.trickle_until
+                .store(until.as_nanos() as u64, Ordering::Relaxed);
+        } else {
+            ctl.not_before = None;
+            // Relaxed: as above.
+            ks.trickle_until.store(0, Ordering::Relaxed);
+        }
+        ctl.last_ask = ask;
+        // Relaxed: an estimate read by the fast path.
+        ks.low
+            .store(ask.max(self.lease_size(ctl)) / 2, Ordering::Relaxed);
+        Ok(got)
+    }
+
+    /// Leases for `key` on a background task, unless a lease is already in flight.
+    fn refill_in_background(self: &Arc<Self>, key: &str, ks: &Arc<KeyState<C>>) {
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        // Relaxed: the flag only limits spawning to one task; the lease itself is ordered by
+        // the key's mutex.
+        if ks.refilling.swap(1, Ordering::Relaxed) == 1 {
+            return;
+        }
+        let (me, ks, key) = (self.clone(), ks.clone(), key.to_owned());
+        rt.spawn(async move {
+            let mut ctl = ks.ctl.lock().await;
+            // Relaxed: an estimate.
+            if !ctl.dead && ks.bucket.available() < ks.low.load(Ordering::Relaxed) {
+                if let Err(e) = me.lease(&key, &ks, &mut ctl, 1, false).await {
+                    tracing::debug!(key = %key, error = %e, "background lease failed");
+                }
+            }
+            drop(ctl);
+            // Relaxed: see above.
+            ks.refilling.store(0, Ordering::Relaxed);
+        });
+    }
+
+    /// Marks `ks` dead and gives its tokens back; returns how many.
+    async fn retire(&self, key: &str, ks: &KeyState<C>) -> Result<u64, PgLimitError> {
+        let mut ctl = ks.ctl.lock().await;
+        ctl.dead = true;
+        let n = ks.drain();
+        if n == 0 {
+            return Ok(0);
+        }
+        self.db
+            .give_back_raw(key, self.opts.rate, self.cap_micro, n as i64, self.at())
+            .await?;
+        // Relaxed: statistics.
+        self.counters.returned.fetch_add(n, Ordering::Relaxed);
+        Ok(n)
+    }
+}

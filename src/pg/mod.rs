@@ -1,0 +1,258 @@
+//! Per-key rate limiting on PostgreSQL (feature `postgres`).
+//!
+//! When a service outgrows one process, the shared state moves to the database it already
+//! has. Four pieces, all sharing one installed schema ([`install`]):
+//!
+//! - [`PgKeyedLimiter`] — **strict mode**: one round trip per call, one
+//!   `INSERT … ON CONFLICT DO UPDATE … RETURNING` statement, compatible with the classic
+//!   `rate_limiting_request(text, int, int)` function (which it can install), but keeping
+//!   fractional tokens exactly (micro-tokens) and reading one clock per statement.
+//! - [`PgLeasedLimiter`] — **leased mode**: a local [`SharedTokenBucket`](crate::SharedTokenBucket)
+//!   per hot key, filled by leasing batches from the same row; the global rate at local speed.
+//! - [`PgWindowLimiter`] — the **sliding-window log**: every attempt recorded, an exact moving
+//!   window, for unforgiving audited limits.
+//! - [`RetryPolicy`] — bounded, jittered retries of serialization failures and deadlocks.
+//!
+//! The long-form guide, with the load generator's figures, is `docs/postgres.md`, included
+//! below.
+//!
+//! Connections are plain TCP or Unix sockets without TLS (`tokio_postgres::NoTls`).
+#![doc = include_str!("../../docs/postgres.md")]
+
+mod conn;
+pub mod keyed;
+pub mod leased;
+pub mod reference;
+mod retry;
+mod schema;
+pub mod window;
+
+pub use keyed::{Grant, PgKeyedLimiter};
+pub use leased::{DbTime, LeaseOptions, LeaseStats, LeasedKey, PgLeasedLimiter};
+pub use retry::{PgStats, RetryPolicy};
+pub use schema::{install, install_classic_function, installed_version, Schema, SCHEMA_VERSION};
+pub use window::{Decision, PgWindowLimiter, Zone};
+
+use crate::error::PgLimitError;
+
+/// The longest key accepted, in bytes of UTF-8. Longer keys are
+/// [`PgLimitError::KeyTooLong`]; the tables enforce the same limit with a `CHECK`.
+pub const MAX_KEY_BYTES: usize = 256;
+
+/// The largest bucket, in tokens: `window × rate` (or the burst) must not exceed it, so that
+/// the micro-token arithmetic (`tokens × 10^6` in a `bigint`) never overflows.
+pub const MAX_CAPACITY: i64 = (1 << 61) / 1_000_000;
+
+/// Micro-tokens per token: the row keeps `tokens × 10^6`, so a refill of `rate` tokens per
+/// second adds exactly `rate` micro-tokens per microsecond (the resolution of `timestamptz`).
+pub(crate) const MICRO: i64 = 1_000_000;
+
+/// The isolation level of the limiter's own statements (set on its session).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Isolation {
+    /// The recommended level: the upsert locks the row and re-reads its newest version, so
+    /// concurrent calls on one key queue on the row lock and never fail.
+    #[default]
+    ReadCommitted,
+    /// Also correct, but concurrent calls on one key fail with `40001` and are retried
+    /// (see [`RetryPolicy`]); use it only when the server's default must be serializable.
+    Serializable,
+}
+
+/// How a limiter talks to the server: schema, isolation, durability, retries.
+///
+/// ```
+/// use iothrottle::pg::{Isolation, PgOptions, RetryPolicy};
+///
+/// let opts = PgOptions::new()
+///     .with_schema("limits")
+///     .with_isolation(Isolation::ReadCommitted)
+///     .with_synchronous_commit(false)
+///     .with_retry(RetryPolicy::default());
+/// assert_eq!(opts.schema(), "limits");
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PgOptions {
+    schema: String,
+    isolation: Isolation,
+    synchronous_commit: bool,
+    retry: RetryPolicy,
+}
+
+impl Default for PgOptions {
+    fn default() -> Self {
+        PgOptions {
+            schema: "iothrottle".into(),
+            isolation: Isolation::ReadCommitted,
+            synchronous_commit: true,
+            retry: RetryPolicy::default(),
+        }
+    }
+}
+
+impl PgOptions {
+    /// Schema `iothrottle`, READ COMMITTED, `synchronous_commit` as the server has it, the
+    /// default [`RetryPolicy`].
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The schema holding the tables (checked by [`Schema::new`] when connecting).
+    pub fn with_schema(mut self, schema: impl Into<String>) -> Self {
+        self.schema = schema.into();
+        self
+    }
+
+    /// The isolation level of the limiter's statements.
+    pub fn with_isolation(mut self, isolation: Isolation) -> Self {
+        self.isolation = isolation;
+        self
+    }
+
+    /// `false` sets `synchronous_commit = off` on the limiter's session: a grant is not worth
+    /// a disk flush; a server crash may forget the last few hundred milliseconds of grants
+    /// (callers may then be granted up to that many tokens again). Default `true`.
+    pub fn with_synchronous_commit(mut self, on: bool) -> Self {
+        self.synchronous_commit = on;
+        self
+    }
+
+    /// How serialization failures and deadlocks are retried.
+    pub fn with_retry(mut self, retry: RetryPolicy) -> Self {
+        self.retry = retry;
+        self
+    }
+
+    /// The schema name.
+    pub fn schema(&self) -> &str {
+        &self.schema
+    }
+
+    /// The isolation level.
+    pub fn isolation(&self) -> Isolation {
+        self.isolation
+    }
+
+    /// The retry policy.
+    pub fn retry(&self) -> RetryPolicy {
+        self.retry
+    }
+}
+
+/// Checks a key: not empty, at most [`MAX_KEY_BYTES`], no NUL.
+pub(crate) fn check_key(key: &str) -> Result<(), PgLimitError> {
+    if key.is_empty() {
+        return Err(PgLimitError::EmptyKey);
+    }
+    if key.len() > MAX_KEY_BYTES {
+        return Err(PgLimitError::KeyTooLong {
+            len: key.len(),
+            max: MAX_KEY_BYTES,
+        });
+    }
+    if key.contains('\0') {
+        return Err(PgLimitError::KeyHasNul);
+    }
+    Ok(())
+}
+
+/// Checks `rate` tokens per second and a capacity of `tokens`; returns the capacity in
+/// micro-tokens.
+pub(crate) fn check_bucket(rate: i64, tokens: i128) -> Result<i64, PgLimitError> {
+    if rate <= 0 {
+        return Err(PgLimitError::InvalidRate { rate });
+    }
+    if tokens <= 0 {
+        return Err(PgLimitError::InvalidBurst {
+            burst: tokens.clamp(i64::MIN as i128, 0) as i64,
+        });
+    }
+    if tokens > MAX_CAPACITY as i128 || rate > MAX_CAPACITY {
+        return Err(PgLimitError::CapacityTooLarge {
+            tokens: tokens.max(rate as i128),
+            max: MAX_CAPACITY,
+        });
+    }
+    Ok(tokens as i64 * MICRO)
+}
+
+/// The classic parameters: `refill_per_sec` and `window_seconds`, capacity their product.
+pub(crate) fn check_classic(refill_per_sec: i64, window_seconds: i64) -> Result<i64, PgLimitError> {
+    if refill_per_sec <= 0 {
+        return Err(PgLimitError::InvalidRate {
+            rate: refill_per_sec,
+        });
+    }
+    if window_seconds <= 0 {
+        return Err(PgLimitError::InvalidWindow {
+            window: window_seconds,
+        });
+    }
+    check_bucket(
+        refill_per_sec,
+        refill_per_sec as i128 * window_seconds as i128,
+    )
+}
+
+pub(crate) fn check_count(n: i64) -> Result<(), PgLimitError> {
+    if n <= 0 {
+        return Err(PgLimitError::InvalidCount { n });
+    }
+    if n > MAX_CAPACITY {
+        return Err(PgLimitError::CapacityTooLarge {
+            tokens: n as i128,
+            max: MAX_CAPACITY,
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_checked() {
+        assert!(matches!(check_key(""), Err(PgLimitError::EmptyKey)));
+        assert!(check_key(&"k".repeat(MAX_KEY_BYTES)).is_ok());
+        assert!(matches!(
+            check_key(&"k".repeat(MAX_KEY_BYTES + 1)),
+            Err(PgLimitError::KeyTooLong { len: 257, max: 256 })
+        ));
+        // Length is in bytes: 129 two-byte characters are 258 bytes.
+        assert!(matches!(
+            check_key(&"é".repeat(129)),
+            Err(PgLimitError::KeyTooLong { len: 258, .. })
+        ));
+        assert!(matches!(check_key("a\0b"), Err(PgLimitError::KeyHasNul)));
+    }
+
+    #[test]
+    fn classic_parameters_are_checked() {
+        assert_eq!(check_classic(2, 60).unwrap(), 120 * MICRO);
+        assert!(matches!(
+            check_classic(0, 60),
+            Err(PgLimitError::InvalidRate { rate: 0 })
+        ));
+        assert!(matches!(
+            check_classic(-3, 60),
+            Err(PgLimitError::InvalidRate { rate: -3 })
+        ));
+        assert!(matches!(
+            check_classic(2, 0),
+            Err(PgLimitError::InvalidWindow { window: 0 })
+        ));
+        assert!(matches!(
+            check_classic(i32::MAX as i64, i32::MAX as i64),
+            Err(PgLimitError::CapacityTooLarge { .. })
+        ));
+        assert!(matches!(
+            check_count(0),
+            Err(PgLimitError::InvalidCount { n: 0 })
+        ));
+        assert!(matches!(
+            check_bucket(5, 0),
+            Err(PgLimitError::InvalidBurst { burst: 0 })
+        ));
+    }
+}
