@@ -29,7 +29,7 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
-use crate::bucket::{BucketConfig, Mode, Rate, SharedTokenBucket, Uncapped};
+use crate::bucket::{ahead, BucketConfig, Mode, Rate, SharedTokenBucket, Uncapped};
 use crate::clock::{Clock, MonotonicClock};
 use crate::error::{AcquireError, ConfigError, TryAcquireError};
 use crate::sync::{fence, AtomicU64, Ordering};
@@ -413,7 +413,7 @@ impl<M: Mode, C: Clock + 'static> Throttle<M, C> {
         let state = bucket.snapshot();
         // Tokens missing for a claim made now: the queue ahead plus our cost, minus what sits
         // in the bucket. The rovers are within 2^63 of each other: the difference is exact.
-        let missing = state.tail.wrapping_add(cost).wrapping_sub(state.head) as i64;
+        let missing = ahead(state.tail.wrapping_add(cost), state.head);
         let missing = missing.max(1) as u64;
         Err(TryAcquireError::Insufficient {
             missing,

@@ -18,7 +18,11 @@ pub use rate::Rate;
 
 use crate::clock::{Clock, MonotonicClock};
 use crate::error::ConfigError;
-use rovers::{ahead, Rovers, MAX_TIMESTAMP};
+use rovers::{Rovers, MAX_TIMESTAMP};
+
+/// How far rover `a` is in front of rover `b`: the wrapping signed difference that every
+/// comparison of rovers (and of other wrapping counters, such as virtual times) goes through.
+pub(crate) use rovers::ahead;
 
 /// What a bucket is made from: a rate, a limit and a replenish threshold.
 ///

@@ -63,6 +63,29 @@ impl Rate {
         self.tokens as f64 / self.period.as_secs_f64()
     }
 
+    /// Compares two rates as the rational numbers they are: 7 per 3 s equals 14 per 6 s (which
+    /// `==`, comparing the fields as given, does not say). Exact for every rate a bucket accepts
+    /// (a period of at most `u64::MAX` nanoseconds); longer periods compare in floating point.
+    ///
+    /// ```
+    /// use std::cmp::Ordering;
+    /// use std::time::Duration;
+    /// use iothrottle::Rate;
+    ///
+    /// let r = Rate::new(7, Duration::from_secs(3));
+    /// assert_eq!(r.cmp_rate(&Rate::new(14, Duration::from_secs(6))), Ordering::Equal);
+    /// assert_eq!(r.cmp_rate(&Rate::per_second(3)), Ordering::Less);
+    /// ```
+    pub fn cmp_rate(&self, other: &Rate) -> std::cmp::Ordering {
+        // a/p < b/q  <=>  a·q < b·p. With p, q < 2^64 ns and a, b < 2^64 both products fit u128.
+        let lhs = (self.tokens as u128).checked_mul(other.period.as_nanos());
+        let rhs = (other.tokens as u128).checked_mul(self.period.as_nanos());
+        match (lhs, rhs) {
+            (Some(l), Some(r)) => l.cmp(&r),
+            _ => self.per_second_f64().total_cmp(&other.per_second_f64()),
+        }
+    }
+
     /// Checks the rate: positive, a period that fits `u64` nanoseconds, at most
     /// [`MAX_PER_SECOND`](Self::MAX_PER_SECOND).
     pub fn validate(&self) -> Result<(), ConfigError> {
@@ -208,6 +231,25 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(msg.contains(&Rate::MAX_PER_SECOND.to_string()), "{msg}");
+    }
+
+    #[test]
+    fn cmp_rate_is_exact_and_total() {
+        use std::cmp::Ordering::*;
+        let third = Rate::new(1, Duration::from_secs(3));
+        assert_eq!(
+            third.cmp_rate(&Rate::new(1_000, Duration::from_secs(3_000))),
+            Equal
+        );
+        // 1/3 token per second vs 333_333_333 per 10^9 s: differ only in the 10th digit.
+        assert_eq!(
+            third.cmp_rate(&Rate::new(333_333_333, Duration::from_secs(1_000_000_000))),
+            Greater
+        );
+        // Periods beyond u64 nanoseconds do not overflow.
+        let slow = Rate::new(u64::MAX, Duration::from_secs(u64::MAX));
+        assert_eq!(slow.cmp_rate(&Rate::per_second(2)), Less);
+        assert_eq!(Rate::per_second(2).cmp_rate(&slow), Greater);
     }
 
     #[test]

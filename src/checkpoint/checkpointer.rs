@@ -11,8 +11,9 @@ use std::time::Duration;
 use tokio::sync::{watch, Mutex};
 use tokio::task::JoinHandle;
 
+use crate::bucket::ahead;
 use crate::bucket::Mode;
-use crate::checkpoint::{ahead, Checkpoint, CheckpointedBucket, Durability, Snapshot};
+use crate::checkpoint::{Checkpoint, CheckpointedBucket, Durability, Snapshot};
 use crate::clock::Clock;
 use crate::error::CheckpointError;
 use crate::sync::Ordering;

@@ -126,10 +126,7 @@ impl Snapshot {
 /// The largest gap between two rovers a valid snapshot has: 2^62.
 const MAX_GAP: i64 = BucketConfig::MAX_LIMIT as i64;
 
-/// How far `a` is in front of `b`, as a wrapping signed difference.
-pub(crate) fn ahead(a: u64, b: u64) -> i64 {
-    a.wrapping_sub(b) as i64
-}
+use crate::bucket::ahead;
 
 /// A durable home for one bucket's [`Snapshot`].
 ///
@@ -207,7 +204,7 @@ pub fn restore_state(
     config.validate()?;
     snapshot.validate()?;
     let limit = config.limit();
-    let rate_changed = snapshot.rate != config.rate() && !same_rate(snapshot.rate, config.rate());
+    let rate_changed = snapshot.rate.cmp_rate(&config.rate()).is_ne();
     let limit_changed = snapshot.limit != limit;
     if rate_changed || limit_changed {
         tracing::warn!(
@@ -229,7 +226,7 @@ pub fn restore_state(
             (Duration::ZERO, true)
         }
     };
-    let credit_rate = slower(snapshot.rate, config.rate());
+    let credit_rate = std::cmp::min_by(snapshot.rate, config.rate(), Rate::cmp_rate);
     let earned = credit_rate.tokens_in(downtime);
     let saved_tokens = snapshot.tokens();
     let tail = snapshot.effective_tail();
@@ -255,21 +252,6 @@ pub fn restore_state(
     };
     tracing::debug!(?report, "checkpoint restored");
     Ok((state, report))
-}
-
-/// Whether two rates are the same rational number (7 per 3 s equals 14 per 6 s).
-fn same_rate(a: Rate, b: Rate) -> bool {
-    a.tokens() as u128 * b.period().as_nanos() == b.tokens() as u128 * a.period().as_nanos()
-}
-
-/// The slower of two valid rates (compared as rationals, exactly).
-fn slower(a: Rate, b: Rate) -> Rate {
-    // a < b  <=>  a.tokens / a.period < b.tokens / b.period; both products fit u128.
-    if a.tokens() as u128 * b.period().as_nanos() <= b.tokens() as u128 * a.period().as_nanos() {
-        a
-    } else {
-        b
-    }
 }
 
 /// A bucket of `config` restored from `snapshot` at wall time `now`, as if replenished now

@@ -21,8 +21,9 @@ use std::time::SystemTime;
 use crossbeam_utils::CachePadded;
 use tokio::sync::Notify;
 
+use crate::bucket::ahead;
 use crate::bucket::{BucketConfig, Mode, SharedTokenBucket, Uncapped};
-use crate::checkpoint::{ahead, empty_bucket, restore_bucket, Checkpoint, RestoreReport};
+use crate::checkpoint::{empty_bucket, restore_bucket, Checkpoint, RestoreReport};
 use crate::clock::{Clock, MonotonicClock};
 use crate::error::CheckpointError;
 use crate::sync::{AtomicU64, Ordering};

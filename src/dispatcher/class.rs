@@ -35,7 +35,7 @@ use std::fmt;
 
 use crossbeam_utils::CachePadded;
 
-use crate::bucket::{BucketConfig, Rate, SharedTokenBucket, Uncapped};
+use crate::bucket::{ahead, BucketConfig, Rate, SharedTokenBucket, Uncapped};
 use crate::error::BuildError;
 use crate::sync::{AtomicU64, Ordering};
 
@@ -126,12 +126,6 @@ impl ClassConfig {
         }
         Ok(())
     }
-}
-
-/// How far `a` is in front of `b`, wrapping.
-#[inline]
-fn ahead(a: u64, b: u64) -> i64 {
-    a.wrapping_sub(b) as i64
 }
 
 /// One class's shared state.

@@ -7,6 +7,8 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
+use crate::bucket::ahead;
+
 use super::class::Classes;
 use super::stats::ClassRecorder;
 
@@ -175,7 +177,7 @@ impl<P: Payload> Queues<P> {
                 continue;
             }
             let v = shared.vtime(c);
-            if best.is_none_or(|(bv, _)| (v.wrapping_sub(bv) as i64) < 0) {
+            if best.is_none_or(|(bv, _)| ahead(v, bv) < 0) {
                 best = Some((v, c));
             }
         }
