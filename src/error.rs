@@ -67,6 +67,43 @@ pub enum ConfigError {
     },
 }
 
+/// A string that is not a [`Rate`](crate::Rate) (see its `FromStr` for the grammar).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ParseRateError {
+    /// Not of the form `N [UNIT]/TIME` or `N per M TIME`.
+    #[error("{input:?} is not a rate: expected e.g. \"50MiB/s\", \"1000/s\" or \"7 per 3s\"")]
+    Syntax {
+        /// The string, as given.
+        input: String,
+    },
+    /// An amount or time unit that is not known.
+    #[error(
+        "unknown unit {unit:?} in the rate {input:?} (amounts: B, KiB, MiB, GiB, TiB, kB, MB, \
+         GB, TB; times: s, ms, us, ns)"
+    )]
+    UnknownUnit {
+        /// The string, as given.
+        input: String,
+        /// The unit that is not known.
+        unit: String,
+    },
+    /// The number of tokens does not fit `u64`, or the period 64-bit seconds.
+    #[error("the rate {input:?} is too large to represent")]
+    Overflow {
+        /// The string, as given.
+        input: String,
+    },
+    /// A well-formed rate that no bucket accepts (zero, or above the maximum).
+    #[error("the rate {input:?} is not accepted: {source}")]
+    Invalid {
+        /// The string, as given.
+        input: String,
+        /// Why a bucket refuses it.
+        source: ConfigError,
+    },
+}
+
 /// A time that a clock cannot take.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
