@@ -12,12 +12,13 @@
 //!   replenish or refund add *less*; `head` itself moves by CAS against the value the room was
 //!   computed from. Hence `head ≤ tail + limit` and `head ≤ ceil` hold at every instant, under
 //!   any interleaving; loom checks it in `loom-tests/`.
-//! - `last` is the end of the last counted interval. A replenish loads it (**Acquire**), prices
+//! - `last` is the end of the last counted interval. A replenish loads it (**Relaxed**), prices
 //!   `[last, now)` with the rate regime it then reads, and claims the interval with one CAS
-//!   from `last` to `now` (**Release** on success, **Relaxed** on failure). The Release/Acquire
-//!   pair on `last` (a chain: every later CAS continues the release sequence) makes a thread
-//!   that reads `last = t` also read a regime at least as new as the one `t` was priced with,
-//!   so an interval is never priced at a rate older than the one in force when it started.
+//!   from `last` to `now` (**Release** on success, **Relaxed** on failure). The regime read
+//!   ends with an Acquire fence, and a fence after a load that read a Release CAS synchronises
+//!   with it: a thread that read `last = t` also reads a regime at least as new as the one `t`
+//!   was priced with (or closed with, by `set_rate`), so an interval is never priced at a rate
+//!   older than the one in force when it started. Loom shows both Releases are needed.
 //!   Losers return at once: the winner's interval covers their time. A winner stalled between
 //!   its CAS and its `head` CAS holds back only the tokens of its own interval; the next
 //!   replenish starts from its `now` and proceeds.
@@ -248,9 +249,10 @@ impl<M: Mode> Rovers<M> {
     #[inline]
     pub(crate) fn claim(&self, now: u64) -> Option<u128> {
         let now = now.min(MAX_TIMESTAMP);
-        // Acquire: pairs with the Release CAS that stored this value, so the regime we read
-        // next is at least the one in force when it was stored (never an older rate).
-        let last = self.repl.last.load(Ordering::Acquire);
+        // Relaxed: the regime read below ends with an Acquire fence, which synchronises with the
+        // Release CAS that stored this value (a fence after a load that read a release store),
+        // so that regime is at least the one in force then. Loom checks it.
+        let last = self.repl.last.load(Ordering::Relaxed);
         let extra = if last == FRESH {
             self.limit as u128
         } else {
@@ -277,8 +279,8 @@ impl<M: Mode> Rovers<M> {
     /// there whatever the threshold. Returns the tokens added.
     fn close(&self, regime: &Regime) -> u64 {
         loop {
-            // Acquire: as in `claim`.
-            let last = self.repl.last.load(Ordering::Acquire);
+            // Relaxed: the regime is given, and the CAS below checks the value.
+            let last = self.repl.last.load(Ordering::Relaxed);
             if last == FRESH || last >= regime.epoch {
                 return 0;
             }
@@ -314,8 +316,9 @@ impl<M: Mode> Rovers<M> {
             // An earlier change may not be closed yet (its writer stalled after publishing);
             // close it, so that the one old rate our regime keeps is enough.
             added += self.close(&current);
-            // Acquire: as in `claim`.
-            let last = self.repl.last.load(Ordering::Acquire);
+            // Relaxed: only its value matters (`last` only grows, so the epoch is not behind
+            // it); we hold the writer turn, and `close` above made it reach the old epoch.
+            let last = self.repl.last.load(Ordering::Relaxed);
             if last == FRESH {
                 // Nothing was counted yet (the first replenish fills the bucket): the new
                 // rate prices everything, and from 0 any `last` a racing first fill stores.
@@ -339,8 +342,8 @@ impl<M: Mode> Rovers<M> {
 
     /// The time of the last replenish, `None` before the first.
     pub(crate) fn last_replenish(&self) -> Option<u64> {
-        // Acquire: as in `replenish`; the value is a snapshot.
-        let last = self.repl.last.load(Ordering::Acquire);
+        // Relaxed: a snapshot of the value; nothing is read through it.
+        let last = self.repl.last.load(Ordering::Relaxed);
         (last != FRESH).then_some(last)
     }
 
