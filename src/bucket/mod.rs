@@ -130,8 +130,10 @@ impl BucketState {
 /// in line, and the caller waits until `deficiency` of that place is zero. Waiting is the
 /// caller's business (the async `Throttle` does it without blocking a thread).
 ///
-/// Tokens are issued exactly: between rate changes, the tokens added plus the tokens discarded
-/// by the cap equal `floor(rate × elapsed)` over any sequence of replenishes.
+/// Tokens are issued exactly: from the bucket's epoch (its creation, restore or last rate
+/// change) to any replenish at `t`, the tokens added plus the tokens discarded by the cap equal
+/// `floor(rate × (t − epoch))`, over any sequence of replenishes; a rate change counts the time
+/// before it at the old rate. Replenish is lock-free.
 ///
 /// ```
 /// use std::time::Duration;

@@ -130,8 +130,8 @@ fn first_replenish_fills_even_at_time_zero() {
 
 #[test]
 fn awkward_rate_issues_exactly_floor_of_rate_times_elapsed() {
-    // 7 tokens per 3 s, replenished every 100 ms for 10 minutes: whole tokens only, the
-    // fraction carried. Seastar rounds each replenish and drifts; we must land on 1400.
+    // 7 tokens per 3 s, replenished every 100 ms for 10 minutes: whole tokens only,
+    // counted from the epoch. Seastar rounds each replenish and drifts; we must land on 1400.
     let (b, clock) = bucket::<Uncapped>(Rate::new(7, Duration::from_secs(3)), 1_000_000, 1);
     b.replenish();
     let start = b.grab(1_000_000); // empty the bucket so nothing is capped
