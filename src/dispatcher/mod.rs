@@ -32,6 +32,8 @@
 mod budget;
 mod class;
 mod cost;
+#[allow(unreachable_pub)] // `pub` for the loom build, which re-exports it (see `loom.rs`)
+pub(crate) mod fair;
 mod handle;
 mod queue;
 mod runner;
@@ -51,14 +53,14 @@ use std::time::Duration;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
 use tokio::sync::oneshot;
 
-pub use class::{ClassConfig, ClassId};
+pub use class::{ClassConfig, ClassId, Priority};
 pub use cost::{DiskModel, IoKind, IoRequest, Piece};
 pub use handle::{IoHandle, SplitHandle};
 pub use stats::{ClassStats, DispatcherStats, ShardStats};
 
 use crate::bucket::{BucketConfig, BucketState, Rate, SharedTokenBucket};
 use crate::clock::{Clock, MonotonicClock};
-use crate::error::{BuildError, ConfigError, SubmitError};
+use crate::error::{BuildError, ConfigError, ControlError, SubmitError};
 use crate::sync::{Arc, AtomicU64, Ordering};
 
 use budget::Budget;
@@ -82,6 +84,11 @@ pub(crate) struct Shared {
     pub(crate) clock: ArcClock,
     /// Each shard's stats as it stopped, for [`Dispatcher::stats`] after shutdown.
     pub(crate) final_stats: Mutex<Vec<Option<ShardStats>>>,
+    /// The control generation: bumped after every run-time change (rate, shares, cap); a
+    /// shard that sees a new value re-reads what it caches (its replenish pace, the cap
+    /// buckets). The change itself is published by its own atomics or lock; this counter
+    /// only says "look again".
+    control: AtomicU64,
 }
 
 impl fmt::Debug for Shared {
@@ -113,7 +120,67 @@ impl Shared {
             batch,
             clock,
             final_stats: Mutex::new(vec![None; shards]),
+            control: AtomicU64::new(0),
         }
+    }
+
+    /// The control generation (see the field).
+    pub(crate) fn control(&self) -> u64 {
+        // Acquire: pairs with the AcqRel increment in `changed`, so a shard that sees the new
+        // generation also sees the change made before it.
+        self.control.load(Ordering::Acquire)
+    }
+
+    fn changed(&self) {
+        // AcqRel: publishes the change made before it to the shards' Acquire loads.
+        self.control.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Changes the bucket's rate (the shards then need a wake-up).
+    pub(crate) fn set_rate(&self, rate: Rate) -> Result<(), ConfigError> {
+        self.budget.set_rate(rate)?;
+        self.changed();
+        Ok(())
+    }
+
+    fn check_class(&self, class: ClassId) -> Result<(), ControlError> {
+        if class.0 < self.classes.len() {
+            Ok(())
+        } else {
+            Err(ControlError::UnknownClass {
+                class: class.0,
+                classes: self.classes.len(),
+            })
+        }
+    }
+
+    /// Changes a class's shares (the shards then need a wake-up).
+    pub(crate) fn set_shares(&self, class: ClassId, shares: u32) -> Result<(), ControlError> {
+        self.check_class(class)?;
+        let name = self.classes.get(class.0).config.name();
+        class::check_shares(name, shares).map_err(|_| ControlError::SharesOutOfRange {
+            class: name.to_owned(),
+            shares,
+        })?;
+        self.classes.set_shares(class.0, shares);
+        self.changed();
+        Ok(())
+    }
+
+    /// Changes a class's cap (the shards then need a wake-up).
+    pub(crate) fn set_bandwidth_cap(
+        &self,
+        class: ClassId,
+        cap: Option<Rate>,
+    ) -> Result<(), ControlError> {
+        self.check_class(class)?;
+        let bucket = match cap {
+            None => None,
+            Some(rate) => Some(Arc::new(class::cap_bucket(rate, &self.clock)?)),
+        };
+        self.classes.set_cap(class.0, bucket);
+        self.changed();
+        Ok(())
     }
 }
 
@@ -155,6 +222,9 @@ impl fmt::Debug for DispatcherBuilder {
 }
 
 impl DispatcherBuilder {
+    /// The most shards a dispatcher may have (each is an OS thread with its own runtime).
+    pub const MAX_SHARDS: usize = 1024;
+
     fn new() -> Self {
         DispatcherBuilder {
             shards: None,
@@ -172,7 +242,8 @@ impl DispatcherBuilder {
         }
     }
 
-    /// The number of shards (threads). Default: the available cores.
+    /// The number of shards (threads), `1..=MAX_SHARDS`. Default: the available cores. More
+    /// shards than cores is allowed (a `tracing` warning says so at build).
     pub fn shards(mut self, n: usize) -> Self {
         self.shards = Some(n);
         self
@@ -255,7 +326,29 @@ impl DispatcherBuilder {
         self
     }
 
-    /// Adds a class; its id is its position (0, 1, …).
+    /// Adds a class and keeps the chain going; its id is its position (0, 1, …), and
+    /// [`Dispatcher::class_id`] finds it by name. The class is checked by
+    /// [`build`](Self::build) (shares in `1..=1000`, a positive cap, a unique name).
+    ///
+    /// ```
+    /// use iothrottle::dispatcher::{ClassConfig, Dispatcher};
+    ///
+    /// let dispatcher = Dispatcher::builder()
+    ///     .shards(1)
+    ///     .class(ClassConfig::new("foreground", 800))
+    ///     .class(ClassConfig::new("compaction", 200))
+    ///     .build()?;
+    /// let fg = dispatcher.class_id("foreground").expect("configured above");
+    /// assert_eq!(fg.index(), 0);
+    /// # Ok::<(), iothrottle::BuildError>(())
+    /// ```
+    pub fn class(mut self, class: ClassConfig) -> Self {
+        self.classes.push(class);
+        self
+    }
+
+    /// Adds a class and returns its id at once (its position: 0, 1, …), checking it now.
+    /// [`class`](Self::class) is the chaining form.
     pub fn add_class(&mut self, class: ClassConfig) -> Result<ClassId, BuildError> {
         class.validate()?;
         if self.classes.iter().any(|c| c.name() == class.name()) {
@@ -277,11 +370,38 @@ impl DispatcherBuilder {
     pub(crate) fn shared(&self) -> Result<(Arc<Shared>, usize), BuildError> {
         let shards = match self.shards {
             Some(0) => return Err(BuildError::ZeroShards),
-            Some(n) => n,
-            None => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            Some(n) if n > Self::MAX_SHARDS => {
+                return Err(BuildError::TooManyShards {
+                    shards: n,
+                    max: Self::MAX_SHARDS,
+                })
+            }
+            Some(n) => {
+                if let Ok(cores) = std::thread::available_parallelism() {
+                    if n > cores.get() {
+                        tracing::warn!(
+                            shards = n,
+                            cores = cores.get(),
+                            "more dispatcher shards than cores: shards will share cores"
+                        );
+                    }
+                }
+                n
+            }
+            None => std::thread::available_parallelism()
+                .map_or(1, |n| n.get())
+                .min(Self::MAX_SHARDS),
         };
         if self.classes.is_empty() {
             return Err(BuildError::NoClasses);
+        }
+        for (i, c) in self.classes.iter().enumerate() {
+            c.validate()?;
+            if self.classes[..i].iter().any(|o| o.name() == c.name()) {
+                return Err(BuildError::DuplicateClass {
+                    class: c.name().to_owned(),
+                });
+            }
         }
         self.disk.validate()?;
         self.rate.validate()?;
@@ -439,9 +559,9 @@ impl Dispatcher {
             .map(ClassId)
     }
 
-    /// A class's configuration.
-    pub fn class_config(&self, class: ClassId) -> Option<&ClassConfig> {
-        (class.0 < self.classes()).then(|| &self.shared.classes.get(class.0).config)
+    /// A class's configuration now: its current shares and cap.
+    pub fn class_config(&self, class: ClassId) -> Option<ClassConfig> {
+        (class.0 < self.classes()).then(|| self.shared.classes.config(class.0))
     }
 
     /// The disk model.
@@ -481,9 +601,43 @@ impl Dispatcher {
         self.shared.budget.rate()
     }
 
-    /// Changes the bucket's rate; takes effect at the next replenish.
+    /// Changes the bucket's rate, on every shard within one replenish period: the tokens
+    /// earned before the call count at the old rate, later ones at the new rate (the bucket's
+    /// [`set_rate`](SharedTokenBucket::set_rate)), and every shard is woken to re-compute its
+    /// wait, so a request waiting for tokens is served at the new rate's pace.
     pub fn set_rate(&self, rate: Rate) -> Result<(), ConfigError> {
-        self.shared.budget.set_rate(rate)
+        self.shared.set_rate(rate)?;
+        self.wake_shards();
+        Ok(())
+    }
+
+    /// Changes a class's shares (`1..=1000`) while running, like Seastar's
+    /// `update_shares_for_class`: its later reservations count at the new shares (its virtual
+    /// time so far stays). Every shard is woken, so the change holds within one replenish
+    /// period.
+    pub fn set_shares(&self, class: ClassId, shares: u32) -> Result<(), ControlError> {
+        self.shared.set_shares(class, shares)?;
+        self.wake_shards();
+        Ok(())
+    }
+
+    /// Sets, changes or removes (`None`) a class's bandwidth cap while running; `rate` counts
+    /// bytes (`Rate::per_second(50 << 20)` is 50 MiB/s). A new cap starts with a full burst
+    /// (100 ms of it), as at build; a request waiting for bytes of the old cap claims them
+    /// again from the new one. Every shard is woken, so the change holds within one
+    /// replenish period.
+    pub fn set_bandwidth_cap(&self, class: ClassId, cap: Option<Rate>) -> Result<(), ControlError> {
+        self.shared.set_bandwidth_cap(class, cap)?;
+        self.wake_shards();
+        Ok(())
+    }
+
+    /// Makes every shard poll again (after a run-time change).
+    fn wake_shards(&self) {
+        for tx in &self.senders {
+            // A shard that stopped needs no wake-up.
+            let _ = tx.send(Msg::Wake);
+        }
     }
 
     /// Submits `request` of `class`: `fut` runs on a shard once the request's tokens are there,
@@ -709,7 +863,11 @@ impl Dispatcher {
                 .shared
                 .classes
                 .iter()
-                .map(|c| stats::ClassRecorder::new().snapshot(c.config.name(), c.config.shares()))
+                .enumerate()
+                .map(|(i, c)| {
+                    stats::ClassRecorder::new()
+                        .snapshot(c.config.name(), self.shared.classes.shares(i))
+                })
                 .collect(),
         })
     }

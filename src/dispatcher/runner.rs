@@ -29,6 +29,8 @@ pub(crate) enum Msg {
     Submit(Entry<BoxTask>),
     Stats(StatsReply),
     Shutdown(ShutdownMode),
+    /// Poll again: a run-time setting changed (rate, shares, cap).
+    Wake,
 }
 
 /// Where a shard sends a copy of its stats.
@@ -163,6 +165,8 @@ async fn run(
                 *closing = Some(mode);
             }
         }
+        // The loop polls the core next, which takes up the change.
+        Msg::Wake => {}
     };
 
     loop {
