@@ -300,6 +300,20 @@ pub enum BuildError {
     },
 }
 
+/// A [`Dispatcher::shutdown_timeout`](crate::dispatcher::Dispatcher::shutdown_timeout) that
+/// ran out of time.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ShutdownError {
+    /// Futures were still running when the time was up; the shards keep draining in the
+    /// background.
+    #[error("{running} dispatcher shards still had futures running when the time was up")]
+    TimedOut {
+        /// The shard threads still running.
+        running: usize,
+    },
+}
+
 /// A run-time change a [`Dispatcher`](crate::dispatcher::Dispatcher) refuses
 /// ([`set_shares`](crate::dispatcher::Dispatcher::set_shares),
 /// [`set_bandwidth_cap`](crate::dispatcher::Dispatcher::set_bandwidth_cap)); nothing changed.

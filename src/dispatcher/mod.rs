@@ -46,7 +46,7 @@ mod tests;
 
 use std::fmt;
 use std::future::Future;
-use std::sync::Mutex;
+use std::sync::{Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -60,7 +60,7 @@ pub use stats::{ClassStats, DispatcherStats, ShardStats};
 
 use crate::bucket::{BucketConfig, BucketState, Rate, SharedTokenBucket};
 use crate::clock::{Clock, MonotonicClock};
-use crate::error::{BuildError, ConfigError, ControlError, SubmitError};
+use crate::error::{BuildError, ConfigError, ControlError, ShutdownError, SubmitError};
 use crate::sync::{Arc, AtomicU64, Ordering};
 
 use budget::Budget;
@@ -89,6 +89,64 @@ pub(crate) struct Shared {
     /// buckets). The change itself is published by its own atomics or lock; this counter
     /// only says "look again".
     control: AtomicU64,
+    /// User futures whose `poll` or `drop` panicked (caught on the shards).
+    pub(crate) panics: AtomicU64,
+    /// Counts the shard threads still running, for a bounded or async shutdown.
+    pub(crate) exits: ExitLatch,
+}
+
+/// Counts the shard threads still running; each decrements it as it ends (even by a panic).
+#[derive(Debug)]
+pub(crate) struct ExitLatch {
+    running: Mutex<usize>,
+    cv: Condvar,
+    notify: tokio::sync::Notify,
+}
+
+impl ExitLatch {
+    fn new(running: usize) -> Self {
+        ExitLatch {
+            running: Mutex::new(running),
+            cv: Condvar::new(),
+            notify: tokio::sync::Notify::new(),
+        }
+    }
+
+    fn running(&self) -> usize {
+        *self.running.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A shard thread ended.
+    pub(crate) fn exited(&self) {
+        let mut n = self.running.lock().unwrap_or_else(|p| p.into_inner());
+        *n = n.saturating_sub(1);
+        drop(n);
+        self.cv.notify_all();
+        self.notify.notify_waiters();
+    }
+
+    /// Blocks until every shard ended or `timeout` passed; the shards still running.
+    fn wait_timeout(&self, timeout: Duration) -> usize {
+        let n = self.running.lock().unwrap_or_else(|p| p.into_inner());
+        let (n, _) = self
+            .cv
+            .wait_timeout_while(n, timeout, |n| *n > 0)
+            .unwrap_or_else(|p| p.into_inner());
+        *n
+    }
+
+    /// Waits, without blocking the thread, until every shard ended.
+    async fn wait(&self) {
+        loop {
+            let notified = self.notify.notified();
+            let mut notified = std::pin::pin!(notified);
+            notified.as_mut().enable();
+            if self.running() == 0 {
+                return;
+            }
+            notified.await;
+        }
+    }
 }
 
 impl fmt::Debug for Shared {
@@ -121,6 +179,8 @@ impl Shared {
             clock,
             final_stats: Mutex::new(vec![None; shards]),
             control: AtomicU64::new(0),
+            panics: AtomicU64::new(0),
+            exits: ExitLatch::new(shards),
         }
     }
 
@@ -453,7 +513,12 @@ impl DispatcherBuilder {
 /// [module documentation](self).
 ///
 /// `Send + Sync`: submit from any thread (share it in an `Arc`). Dropping it shuts it down
-/// like [`shutdown_now`](Self::shutdown_now).
+/// like [`shutdown_now`](Self::shutdown_now) (without waiting when dropped in async code).
+///
+/// **Which shutdown to call.** On a plain thread: [`shutdown`](Self::shutdown) (drain) or
+/// [`shutdown_now`](Self::shutdown_now) (cancel what is queued); both block until the running
+/// futures end. In async code: [`shutdown_async`](Self::shutdown_async), or
+/// [`shutdown_timeout`](Self::shutdown_timeout) for a bound.
 pub struct Dispatcher {
     shared: Arc<Shared>,
     senders: Vec<UnboundedSender<Msg>>,
@@ -872,31 +937,89 @@ impl Dispatcher {
         })
     }
 
+    /// User futures whose `poll` or `drop` panicked. Each panic was caught on its shard,
+    /// which kept running; a panic in `poll` (or in `drop` after completing) reaches the
+    /// request's handle as [`DispatchError::Panicked`](crate::error::DispatchError::Panicked);
+    /// one in the `drop` of a cancelled request has no handle to reach and is only counted.
+    pub fn panics(&self) -> u64 {
+        // Relaxed: a statistic; the shards add to it after each step.
+        self.shared.panics.load(Ordering::Relaxed)
+    }
+
     /// Stops taking requests, dispatches everything already queued (at the configured rate),
     /// waits for all futures to finish and joins the shard threads. Idempotent.
+    ///
+    /// **Blocks the calling thread** until the last running future ends. From async code,
+    /// where a running future may wait for the very task that calls this (a deadlock), use
+    /// [`shutdown_async`](Self::shutdown_async) or [`shutdown_timeout`](Self::shutdown_timeout).
     ///
     /// Called from one of this dispatcher's own shards it only starts the shutdown (a shard
     /// cannot join itself); the threads are joined when the dispatcher is dropped elsewhere.
     pub fn shutdown(&self) {
-        self.stop(ShutdownMode::Drain);
+        // Joining cannot time out.
+        let _ = self.stop(ShutdownMode::Drain, Wait::Join);
     }
 
     /// Stops taking requests, fails everything not yet dispatched with
     /// [`DispatchError::ShutDown`](crate::error::DispatchError::ShutDown) (their tokens go
     /// back), waits for the futures already running and joins the shard threads. Idempotent.
+    ///
+    /// **Blocks the calling thread** like [`shutdown`](Self::shutdown).
     pub fn shutdown_now(&self) {
-        self.stop(ShutdownMode::Cancel);
+        // Joining cannot time out.
+        let _ = self.stop(ShutdownMode::Cancel, Wait::Join);
     }
 
-    fn stop(&self, mode: ShutdownMode) {
+    /// [`shutdown`](Self::shutdown), waiting at most `timeout` for the running futures. On
+    /// time out the shards keep draining in the background (detached) and the error says how
+    /// many still run; calling it again (or [`shutdown_async`](Self::shutdown_async)) waits
+    /// more. Bounded, so safe to call from async code (it still blocks for up to `timeout`).
+    pub fn shutdown_timeout(&self, timeout: Duration) -> Result<(), ShutdownError> {
+        self.stop(ShutdownMode::Drain, Wait::Timeout(timeout))
+    }
+
+    /// [`shutdown`](Self::shutdown) for async code: the waiting is `.await`ed, never blocking
+    /// the runtime's thread, so futures on the shards that wait for the caller's own tasks can
+    /// finish. Cancelling it (dropping the future) leaves the shards draining in the
+    /// background.
+    pub async fn shutdown_async(&self) {
+        self.signal(ShutdownMode::Drain);
+        if self.current_shard().is_some() {
+            return;
+        }
+        self.shared.exits.wait().await;
+        self.join();
+    }
+
+    fn signal(&self, mode: ShutdownMode) {
         // Release: pairs with the Acquire in `check`.
         self.closed.store(1, Ordering::Release);
         for tx in &self.senders {
             let _ = tx.send(Msg::Shutdown(mode));
         }
+    }
+
+    fn stop(&self, mode: ShutdownMode, wait: Wait) -> Result<(), ShutdownError> {
+        self.signal(mode);
         if self.current_shard().is_some() {
-            return;
+            return Ok(());
         }
+        match wait {
+            Wait::Join => {}
+            Wait::Timeout(t) => {
+                let running = self.shared.exits.wait_timeout(t);
+                if running > 0 {
+                    return Err(ShutdownError::TimedOut { running });
+                }
+            }
+            Wait::Detach => return Ok(()),
+        }
+        self.join();
+        Ok(())
+    }
+
+    /// Joins the shard threads and stops the timer thread.
+    fn join(&self) {
         let threads = match self.threads.lock() {
             Ok(mut t) => std::mem::take(&mut *t),
             Err(poisoned) => std::mem::take(&mut *poisoned.into_inner()),
@@ -916,13 +1039,32 @@ impl Dispatcher {
     }
 }
 
+/// How [`Dispatcher::stop`] waits for the shard threads.
+#[derive(Debug, Clone, Copy)]
+enum Wait {
+    /// Until they end.
+    Join,
+    /// At most this long.
+    Timeout(Duration),
+    /// Not at all: they end on their own.
+    Detach,
+}
+
 fn fine_thread_handle(t: &timer::TimerThread) -> std::thread::Thread {
     t.thread().clone()
 }
 
 impl Drop for Dispatcher {
+    /// Shuts down like [`shutdown_now`](Dispatcher::shutdown_now). On a thread that runs a
+    /// tokio runtime (async code) it does not wait: the running futures may need that very
+    /// thread, so the shards finish them in the background and end on their own.
     fn drop(&mut self) {
-        self.stop(ShutdownMode::Cancel);
+        let wait = if tokio::runtime::Handle::try_current().is_ok() {
+            Wait::Detach
+        } else {
+            Wait::Join
+        };
+        let _ = self.stop(ShutdownMode::Cancel, wait);
         // Dropped on one of its own shards: the threads could not be joined; at least let the
         // timer thread end (the shards fall back to tokio's timer).
         if let Ok(mut t) = self.timer_thread.lock() {
