@@ -249,7 +249,7 @@ pub enum BuildError {
         max: usize,
     },
     /// A dispatcher needs at least one priority class.
-    #[error("a dispatcher needs at least one priority class (add one with `add_class`)")]
+    #[error("a dispatcher needs at least one priority class (add one with `class`)")]
     NoClasses,
     /// Shares must be in `1..=1000`.
     #[error("class {class:?}: shares must be in 1..=1000, got {shares}")]

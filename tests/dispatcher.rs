@@ -78,6 +78,32 @@ fn configuration_errors_are_typed() {
         Dispatcher::builder().shards(1).build(),
         Err(BuildError::NoClasses)
     ));
+    // The chaining form checks the classes at build.
+    let chained = |cfgs: &[(&str, u32)]| {
+        cfgs.iter()
+            .fold(Dispatcher::builder().shards(1), |b, (n, s)| {
+                b.class(ClassConfig::new(*n, *s))
+            })
+            .build()
+    };
+    assert!(matches!(
+        chained(&[("ok", 1), ("zero", 0)]),
+        Err(BuildError::SharesOutOfRange { shares: 0, .. })
+    ));
+    assert!(matches!(
+        chained(&[("a", 1), ("a", 2)]),
+        Err(BuildError::DuplicateClass { .. })
+    ));
+    assert!(matches!(
+        Dispatcher::builder()
+            .class(ClassConfig::new("c", 1).with_bandwidth_cap(0))
+            .build(),
+        Err(BuildError::ZeroBandwidthCap { .. })
+    ));
+    let d = chained(&[("a", 1), ("b", 2)]).unwrap();
+    assert_eq!(d.class_id("b").map(|c| c.index()), Some(1));
+    assert_eq!(d.class_id("c"), None);
+    d.shutdown();
     let with_class = |b: DispatcherBuilder| {
         let mut b = b;
         b.add_class(ClassConfig::new("c", 1)).unwrap();

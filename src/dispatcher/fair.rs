@@ -70,6 +70,7 @@ const TIERS: usize = 2;
 /// granted before it may (at least 1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Ahead {
+    /// Tokens the slowest competing class must be granted first.
     pub tokens: u64,
 }
 

@@ -8,10 +8,14 @@
 //! ```
 //! use iothrottle::dispatcher::{ClassConfig, Dispatcher, DiskModel, IoRequest};
 //!
-//! let mut builder = Dispatcher::builder().shards(2).disk(DiskModel::default());
-//! let fg = builder.add_class(ClassConfig::new("foreground", 800))?;
-//! let bg = builder.add_class(ClassConfig::new("compaction", 200))?;
-//! let dispatcher = builder.build()?;
+//! let dispatcher = Dispatcher::builder()
+//!     .shards(2)
+//!     .disk(DiskModel::default())
+//!     .class(ClassConfig::new("foreground", 800))
+//!     .class(ClassConfig::new("compaction", 200))
+//!     .build()?;
+//! let fg = dispatcher.class_id("foreground").ok_or("no such class")?;
+//! let bg = dispatcher.class_id("compaction").ok_or("no such class")?;
 //!
 //! let read = dispatcher.submit(fg, IoRequest::read(4096), async { 4096 })?;
 //! let write = dispatcher.submit(bg, IoRequest::write(1 << 20), async { "written" })?;
@@ -29,6 +33,8 @@
 //! do differently from Seastar) follows.
 #![doc = include_str!("../../docs/dispatcher.md")]
 
+#[allow(unreachable_pub)] // `pub` for the loom build, which re-exports it (see `loom.rs`)
+pub(crate) mod alarm;
 mod budget;
 mod class;
 mod cost;

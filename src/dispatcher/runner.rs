@@ -244,8 +244,7 @@ async fn run(
             Next::WakeAfter(d) if d < FINE_BELOW => {
                 // tokio's timer ticks in milliseconds: short sleeps go to the fine timer, with
                 // a tokio sleep as a backstop should its thread be gone.
-                timer.arm(index, d);
-                timer_thread.unpark();
+                timer.arm(index, d, &timer_thread);
                 tokio::select! {
                     biased;
                     msg = rx.recv(), if open => match msg {
@@ -255,7 +254,7 @@ async fn run(
                             closing = Some(ShutdownMode::Cancel);
                         }
                     },
-                    _ = timer.alarm(index).notify.notified() => {}
+                    _ = timer.notify(index).notified() => {}
                     _ = tokio::time::sleep(d + FINE_BELOW) => {}
                 }
                 timer.disarm(index);
