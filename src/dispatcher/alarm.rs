@@ -101,7 +101,7 @@ impl Alarms {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(iothrottle_loom)))]
 mod tests {
     use super::*;
 
