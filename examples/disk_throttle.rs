@@ -117,13 +117,15 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let mut builder = Dispatcher::builder()
         .disk(disk)
         .capped(args.capped)
-        .max_cost(DiskModel::TOKENS_PER_SECOND / 2000);
+        .max_cost(DiskModel::TOKENS_PER_SECOND / 2000)
+        .class(ClassConfig::new("foreground", args.shares.0))
+        .class(ClassConfig::new("compaction", args.shares.1));
     if let Some(n) = args.shards {
         builder = builder.shards(n);
     }
-    let fg = builder.add_class(ClassConfig::new("foreground", args.shares.0))?;
-    let bg = builder.add_class(ClassConfig::new("compaction", args.shares.1))?;
     let d = Arc::new(builder.build()?);
+    let (fg, bg) = (d.class_id("foreground"), d.class_id("compaction"));
+    let (fg, bg) = (fg.expect("configured above"), bg.expect("configured above"));
 
     // Scratch files.
     let dir = tempfile::tempdir()?;

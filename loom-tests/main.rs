@@ -1,4 +1,5 @@
-//! Loom models of the bucket's atomic protocols, one submodule per protocol.
+//! Loom models of the crate's atomic protocols, one submodule per protocol: the bucket's, and
+//! the dispatcher's fairness counters and fine timer (`dispatcher_*`).
 //!
 //! Run with
 //! `RUSTFLAGS="--cfg iothrottle_loom" LOOM_MAX_PREEMPTIONS=2 cargo test --release --test loom`
@@ -18,6 +19,8 @@
 mod common;
 
 mod capped;
+mod dispatcher_fair;
+mod dispatcher_timer;
 mod fresh;
 mod grab;
 mod mixed;

@@ -277,8 +277,16 @@ pub enum BuildError {
     /// A dispatcher needs at least one shard.
     #[error("a dispatcher needs at least one shard")]
     ZeroShards,
+    /// More shards than [`DispatcherBuilder::MAX_SHARDS`](crate::dispatcher::DispatcherBuilder::MAX_SHARDS).
+    #[error("{shards} shards requested, at most {max} are supported")]
+    TooManyShards {
+        /// The number requested.
+        shards: usize,
+        /// The most supported.
+        max: usize,
+    },
     /// A dispatcher needs at least one priority class.
-    #[error("a dispatcher needs at least one priority class (add one with `add_class`)")]
+    #[error("a dispatcher needs at least one priority class (add one with `class`)")]
     NoClasses,
     /// Shares must be in `1..=1000`.
     #[error("class {class:?}: shares must be in 1..=1000, got {shares}")]
@@ -327,6 +335,47 @@ pub enum BuildError {
         /// What the OS or tokio said.
         source: std::io::Error,
     },
+}
+
+/// A [`Dispatcher::shutdown_timeout`](crate::dispatcher::Dispatcher::shutdown_timeout) that
+/// ran out of time.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ShutdownError {
+    /// Futures were still running when the time was up; the shards keep draining in the
+    /// background.
+    #[error("{running} dispatcher shards still had futures running when the time was up")]
+    TimedOut {
+        /// The shard threads still running.
+        running: usize,
+    },
+}
+
+/// A run-time change a [`Dispatcher`](crate::dispatcher::Dispatcher) refuses
+/// ([`set_shares`](crate::dispatcher::Dispatcher::set_shares),
+/// [`set_bandwidth_cap`](crate::dispatcher::Dispatcher::set_bandwidth_cap)); nothing changed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ControlError {
+    /// The class id is not one of this dispatcher's.
+    #[error("no class with id {class} (the dispatcher has {classes})")]
+    UnknownClass {
+        /// The id given.
+        class: usize,
+        /// How many classes the dispatcher has.
+        classes: usize,
+    },
+    /// Shares must be in `1..=1000`.
+    #[error("class {class:?}: shares must be in 1..=1000, got {shares}")]
+    SharesOutOfRange {
+        /// The class's name.
+        class: String,
+        /// The shares, as given.
+        shares: u32,
+    },
+    /// The cap's rate is invalid (zero, or too high).
+    #[error("bandwidth cap: {0}")]
+    Cap(#[from] ConfigError),
 }
 
 /// A request the [`Dispatcher`](crate::dispatcher::Dispatcher) refuses at submission; the

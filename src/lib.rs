@@ -52,6 +52,9 @@ pub mod checkpoint;
 pub mod clock;
 #[cfg(not(iothrottle_loom))]
 pub mod dispatcher;
+#[cfg(iothrottle_loom)]
+#[path = "dispatcher/loom.rs"]
+pub mod dispatcher;
 pub mod error;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]

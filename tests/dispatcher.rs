@@ -78,6 +78,32 @@ fn configuration_errors_are_typed() {
         Dispatcher::builder().shards(1).build(),
         Err(BuildError::NoClasses)
     ));
+    // The chaining form checks the classes at build.
+    let chained = |cfgs: &[(&str, u32)]| {
+        cfgs.iter()
+            .fold(Dispatcher::builder().shards(1), |b, (n, s)| {
+                b.class(ClassConfig::new(*n, *s))
+            })
+            .build()
+    };
+    assert!(matches!(
+        chained(&[("ok", 1), ("zero", 0)]),
+        Err(BuildError::SharesOutOfRange { shares: 0, .. })
+    ));
+    assert!(matches!(
+        chained(&[("a", 1), ("a", 2)]),
+        Err(BuildError::DuplicateClass { .. })
+    ));
+    assert!(matches!(
+        Dispatcher::builder()
+            .class(ClassConfig::new("c", 1).with_bandwidth_cap(0))
+            .build(),
+        Err(BuildError::ZeroBandwidthCap { .. })
+    ));
+    let d = chained(&[("a", 1), ("b", 2)]).unwrap();
+    assert_eq!(d.class_id("b").map(|c| c.index()), Some(1));
+    assert_eq!(d.class_id("c"), None);
+    d.shutdown();
     let with_class = |b: DispatcherBuilder| {
         let mut b = b;
         b.add_class(ClassConfig::new("c", 1)).unwrap();
@@ -555,5 +581,309 @@ fn churn(shards: usize, classes: usize, requests: u64, seed: u64) {
         ceil.wrapping_sub(state.tail),
         1_000_000,
         "seed {seed}: {state:?}"
+    );
+}
+
+/// Regression (issue 8, defect 9): `shards(usize::MAX)` panicked with a capacity overflow.
+#[test]
+fn too_many_shards_is_a_typed_error_and_more_than_the_cores_a_warning() {
+    let build = |n: usize| {
+        Dispatcher::builder()
+            .shards(n)
+            .class(ClassConfig::new("c", 1))
+            .build()
+    };
+    for n in [usize::MAX, DispatcherBuilder::MAX_SHARDS + 1] {
+        assert!(matches!(
+            build(n),
+            Err(BuildError::TooManyShards { shards, max }) if shards == n
+                && max == DispatcherBuilder::MAX_SHARDS
+        ));
+    }
+    // More shards than cores: built, with a warning.
+    let logs = Arc::new(std::sync::Mutex::new(Vec::<u8>::new()));
+    let sink = logs.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || LogSink(sink.clone()))
+        .with_ansi(false)
+        .finish();
+    let cores = std::thread::available_parallelism().unwrap().get();
+    let d = tracing::subscriber::with_default(subscriber, || build(cores + 1)).unwrap();
+    assert_eq!(d.shards(), cores + 1);
+    d.shutdown();
+    let logs = String::from_utf8(logs.lock().unwrap().clone()).unwrap();
+    assert!(logs.contains("more dispatcher shards than cores"), "{logs}");
+}
+
+struct LogSink(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for LogSink {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A hang guard for liveness tests: `f` must finish (how fast is not asserted).
+fn finishes<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(60))
+        .unwrap_or_else(|_| panic!("{what}: still blocked after 60 s"))
+}
+
+/// Regression (issue 8, defect 4) with real threads: a request waiting 1,000 s for its tokens
+/// is served once the rate is raised (the shard was not woken: it slept out its old deadline).
+#[test]
+fn set_rate_reaches_a_request_already_waiting() {
+    let d = Dispatcher::builder()
+        .shards(2)
+        .rate(Rate::new(1, std::time::Duration::from_secs(1000)))
+        .limit(2)
+        .threshold(1)
+        .max_cost(1)
+        .class(ClassConfig::new("c", 1))
+        .build()
+        .unwrap();
+    let c = d.class_id("c").unwrap();
+    let rt = rt();
+    // The first fill (2 tokens) serves one request per shard; the next ones wait.
+    for shard in 0..2 {
+        let h = d
+            .submit_to(shard, c, IoRequest::tokens(1), async {})
+            .unwrap();
+        rt.block_on(h).unwrap();
+    }
+    let waiting: Vec<_> = (0..2)
+        .map(|shard| {
+            d.submit_to(shard, c, IoRequest::tokens(1), async { 7 })
+                .unwrap()
+        })
+        .collect();
+    d.set_rate(Rate::per_second(1_000_000)).unwrap();
+    let got = finishes("a request after set_rate", move || {
+        let rt = crate::rt();
+        waiting
+            .into_iter()
+            .map(|h| rt.block_on(h).unwrap())
+            .collect::<Vec<_>>()
+    });
+    assert_eq!(got, vec![7, 7]);
+    d.shutdown();
+}
+
+#[test]
+fn runtime_control_errors_are_typed() {
+    use iothrottle::error::ControlError;
+    let d = Dispatcher::builder()
+        .shards(1)
+        .class(ClassConfig::new("c", 10).with_bandwidth_cap(1 << 20))
+        .build()
+        .unwrap();
+    let c = d.class_id("c").unwrap();
+    let other = Dispatcher::builder()
+        .shards(1)
+        .class(ClassConfig::new("a", 1))
+        .class(ClassConfig::new("b", 1))
+        .build()
+        .unwrap();
+    let b = other.class_id("b").unwrap();
+    assert_eq!(
+        d.set_shares(b, 1),
+        Err(ControlError::UnknownClass {
+            class: 1,
+            classes: 1
+        })
+    );
+    for bad in [0, 1001] {
+        assert!(matches!(
+            d.set_shares(c, bad),
+            Err(ControlError::SharesOutOfRange { shares, .. }) if shares == bad
+        ));
+    }
+    assert!(matches!(
+        d.set_bandwidth_cap(c, Some(Rate::per_second(0))),
+        Err(ControlError::Cap(_))
+    ));
+    // Nothing changed by the refusals; then the changes show in the configuration.
+    assert_eq!(d.class_config(c).unwrap().shares(), 10);
+    assert_eq!(d.class_config(c).unwrap().bandwidth_cap(), Some(1 << 20));
+    d.set_shares(c, 500).unwrap();
+    d.set_bandwidth_cap(c, None).unwrap();
+    let cfg = d.class_config(c).unwrap();
+    assert_eq!((cfg.shares(), cfg.bandwidth_cap()), (500, None));
+    d.set_bandwidth_cap(c, Some(Rate::per_second(4 << 20)))
+        .unwrap();
+    assert_eq!(d.class_config(c).unwrap().bandwidth_cap(), Some(4 << 20));
+    // Requests still run after the changes.
+    let h = d.submit(c, IoRequest::write(4096), async { 1 }).unwrap();
+    assert_eq!(rt().block_on(h), Ok(1));
+    assert_eq!(d.stats_blocking().classes[0].shares, 500);
+    d.shutdown();
+    other.shutdown();
+}
+
+/// A future that panics when dropped.
+struct PanicOnDrop(u32);
+
+impl std::future::Future for PanicOnDrop {
+    type Output = u32;
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<u32> {
+        std::task::Poll::Ready(self.0)
+    }
+}
+
+impl Drop for PanicOnDrop {
+    fn drop(&mut self) {
+        panic!("drop of future {}", self.0);
+    }
+}
+
+/// Regression (issue 8, defect 10): a cancelled future whose `Drop` panicked killed its shard
+/// thread (later requests there failed with `ShutDown`), and the dead shard's classes stayed
+/// "backlogged", freezing the other shards' fairness.
+#[test]
+fn a_future_whose_drop_panics_does_not_kill_its_shard() {
+    let d = Dispatcher::builder()
+        .shards(2)
+        .rate(Rate::per_second(1000))
+        .limit(100)
+        .threshold(1)
+        .max_cost(100)
+        .class(ClassConfig::new("a", 1))
+        .class(ClassConfig::new("b", 1))
+        .build()
+        .unwrap();
+    let (a, b) = (d.class_id("a").unwrap(), d.class_id("b").unwrap());
+    // The first request takes the first fill; the next two wait and are cancelled: their
+    // futures are dropped by the shard (one queued, one reserved).
+    let first = d.submit_to(0, a, IoRequest::tokens(100), async {}).unwrap();
+    for i in 0..2 {
+        drop(
+            d.submit_to(0, a, IoRequest::tokens(50), PanicOnDrop(i))
+                .unwrap(),
+        );
+    }
+    // A future that completes, then panics in its drop: the handle hears of it.
+    let completed = d
+        .submit_to(0, a, IoRequest::tokens(1), PanicOnDrop(9))
+        .unwrap();
+    let later: Vec<_> = (0..5)
+        .flat_map(|i| {
+            [
+                d.submit_to(0, a, IoRequest::tokens(20), async move { i })
+                    .unwrap(),
+                d.submit_to(1, b, IoRequest::tokens(20), async move { i })
+                    .unwrap(),
+            ]
+        })
+        .collect();
+    let (first, completed, later) = finishes("requests after a panicking drop", move || {
+        let rt = rt();
+        let later: Vec<_> = later.into_iter().map(|h| rt.block_on(h)).collect();
+        (rt.block_on(first), rt.block_on(completed), later)
+    });
+    assert_eq!(first, Ok(()));
+    assert!(
+        matches!(&completed, Err(DispatchError::Panicked { message }) if message.contains("in drop: drop of future 9")),
+        "{completed:?}"
+    );
+    for (i, r) in later.into_iter().enumerate() {
+        assert_eq!(r, Ok((i / 2) as i32), "request {i}");
+    }
+    assert_eq!(d.panics(), 3);
+    d.shutdown();
+}
+
+/// A dispatcher whose one running future waits for `rx`, which the test sends only later;
+/// the returned receiver hears when the future started.
+fn blocked_on(
+    rx: tokio::sync::oneshot::Receiver<u32>,
+) -> (
+    Dispatcher,
+    iothrottle::dispatcher::IoHandle<u32>,
+    tokio::sync::oneshot::Receiver<()>,
+) {
+    let d = Dispatcher::builder()
+        .shards(1)
+        .class(ClassConfig::new("c", 1))
+        .build()
+        .unwrap();
+    let c = d.class_id("c").unwrap();
+    let (started_tx, started) = tokio::sync::oneshot::channel();
+    let h = d
+        .submit(c, IoRequest::read(1), async move {
+            let _ = started_tx.send(());
+            rx.await.unwrap_or(0)
+        })
+        .unwrap();
+    (d, h, started)
+}
+
+/// Regression (issue 8, defect 10): dropping a dispatcher in async code blocked the runtime's
+/// thread on a future that needed that thread (a deadlock). Drop no longer waits there.
+#[test]
+fn dropping_the_dispatcher_in_async_code_does_not_deadlock() {
+    let got = finishes("drop in async code", || {
+        rt().block_on(async {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let (d, h, started) = blocked_on(rx);
+            started.await.unwrap();
+            drop(d);
+            // The running future finishes in the background once it hears from us.
+            tx.send(5).unwrap();
+            h.await
+        })
+    });
+    assert_eq!(got, Ok(5));
+}
+
+#[test]
+fn shutdown_async_waits_without_blocking_the_runtime() {
+    let got = finishes("shutdown_async", || {
+        rt().block_on(async {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let (d, h, started) = blocked_on(rx);
+            started.await.unwrap();
+            // Sent by a task of this same (single-threaded) runtime while we await shutdown.
+            tokio::spawn(async move {
+                tokio::task::yield_now().await;
+                tx.send(6).unwrap();
+            });
+            d.shutdown_async().await;
+            assert!(matches!(
+                d.submit(d.class_id("c").unwrap(), IoRequest::read(1), async { 0 }),
+                Err(SubmitError::ShutDown)
+            ));
+            h.await
+        })
+    });
+    assert_eq!(got, Ok(6));
+}
+
+#[test]
+fn shutdown_timeout_bounds_the_wait() {
+    use iothrottle::error::ShutdownError;
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let (d, h, started) = blocked_on(rx);
+    rt().block_on(started).unwrap();
+    let d = finishes("shutdown_timeout", move || {
+        let r = d.shutdown_timeout(std::time::Duration::from_millis(50));
+        assert_eq!(r, Err(ShutdownError::TimedOut { running: 1 }));
+        d
+    });
+    tx.send(8).unwrap();
+    assert_eq!(rt().block_on(h), Ok(8));
+    assert_eq!(
+        d.shutdown_timeout(std::time::Duration::from_secs(60)),
+        Ok(())
     );
 }

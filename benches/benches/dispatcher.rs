@@ -26,15 +26,18 @@ fn current_thread() -> tokio::runtime::Runtime {
 
 /// A dispatcher that never throttles: the rate is the largest the bucket takes.
 fn unthrottled(shards: usize) -> (Dispatcher, ClassId) {
-    let mut b = Dispatcher::builder()
+    let d = Dispatcher::builder()
         .shards(shards)
         .rate(Rate::per_second(Rate::MAX_PER_SECOND))
         .limit(1 << 50)
         .threshold(1 << 20)
         .batch(1 << 30)
-        .pin_threads(false);
-    let c = b.add_class(ClassConfig::new("c", 100)).unwrap();
-    (b.build().unwrap(), c)
+        .pin_threads(false)
+        .class(ClassConfig::new("c", 100))
+        .build()
+        .unwrap();
+    let c = d.class_id("c").unwrap();
+    (d, c)
 }
 
 /// Overhead per request: submit from this thread, run on another, await the result.
@@ -107,7 +110,7 @@ fn queue_depth_one(c: &mut Criterion) {
     let mut g = c.benchmark_group("dispatcher/qd1");
     let rt = current_thread();
     for shards in [1usize, 2] {
-        let mut b = Dispatcher::builder()
+        let b = Dispatcher::builder()
             .shards(shards)
             .disk(DiskModel::new(
                 u64::MAX / 4,
@@ -115,9 +118,10 @@ fn queue_depth_one(c: &mut Criterion) {
                 1_000_000,
                 1_000_000,
             ))
-            .limit(1_000_000);
-        let class = b.add_class(ClassConfig::new("c", 100)).unwrap();
+            .limit(1_000_000)
+            .class(ClassConfig::new("c", 100));
         let d = Arc::new(b.build().unwrap());
+        let class = d.class_id("c").unwrap();
         g.bench_with_input(BenchmarkId::new("shards", shards), &shards, |b, &shards| {
             b.iter_custom(|iters| {
                 let per = iters.div_ceil(shards as u64);
@@ -256,10 +260,13 @@ fn fairness(c: &mut Criterion) {
                         1 => (2, (500, 100)),
                         _ => (2, (100, 100)),
                     };
-                    let mut b = builder(shards);
-                    let x = b.add_class(ClassConfig::new("x", shares.0)).unwrap();
-                    let y = b.add_class(ClassConfig::new("y", shares.1)).unwrap();
-                    let d = Arc::new(b.build().unwrap());
+                    let d = builder(shards)
+                        .class(ClassConfig::new("x", shares.0))
+                        .class(ClassConfig::new("y", shares.1))
+                        .build()
+                        .unwrap();
+                    let d = Arc::new(d);
+                    let (x, y) = (d.class_id("x").unwrap(), d.class_id("y").unwrap());
                     let t = match i {
                         0 => shares_of(&d, &[(0, x, r4k), (0, y, r4k)], 2000, false),
                         1 => shares_of(&d, &[(0, x, r4k), (1, y, r4k)], 2000, false),

@@ -2,12 +2,14 @@
 //! shard carries for each request.
 
 use std::any::Any;
+use std::cell::Cell;
 use std::fmt;
 use std::future::Future;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
+use pin_project_lite::pin_project;
 use tokio::sync::oneshot;
 
 use crate::error::DispatchError;
@@ -34,8 +36,43 @@ impl Payload for BoxTask {
     }
 }
 
+thread_local! {
+    /// User futures whose `poll` or `drop` panicked on this thread and were caught, not yet
+    /// added to their dispatcher's count (see [`take_panics`]).
+    static PANICS: Cell<u64> = const { Cell::new(0) };
+}
+
+fn count_panic() {
+    PANICS.with(|p| p.set(p.get() + 1));
+}
+
+/// The panics caught on this thread since the last call (a shard adds them to its
+/// dispatcher's count after each step).
+pub(crate) fn take_panics() -> u64 {
+    PANICS.with(|p| p.replace(0))
+}
+
+pin_project! {
+    /// A user future whose `Drop` may panic: dropping it (cancelled in a queue, failed at
+    /// shutdown, torn down with the runtime, or after it completed) catches the panic and
+    /// counts it, so that the shard thread survives.
+    struct Guarded<F> {
+        #[pin]
+        fut: Option<F>,
+    }
+
+    impl<F> PinnedDrop for Guarded<F> {
+        fn drop(this: Pin<&mut Self>) {
+            let mut fut = this.project().fut;
+            if catch_unwind(AssertUnwindSafe(|| fut.set(None))).is_err() {
+                count_panic();
+            }
+        }
+    }
+}
+
 struct TaskImpl<F: Future> {
-    fut: F,
+    fut: Guarded<F>,
     tx: oneshot::Sender<Result<F::Output, DispatchError>>,
 }
 
@@ -46,6 +83,7 @@ where
     F::Output: Send + 'static,
 {
     let (tx, rx) = oneshot::channel();
+    let fut = Guarded { fut: Some(fut) };
     (Box::new(TaskImpl { fut, tx }), IoHandle { rx })
 }
 
@@ -66,17 +104,36 @@ where
         let TaskImpl { fut, tx } = *self;
         tokio::task::spawn_local(async move {
             let _done = done;
-            let mut fut = std::pin::pin!(fut);
-            let out = std::future::poll_fn(|cx| {
-                match catch_unwind(AssertUnwindSafe(|| fut.as_mut().poll(cx))) {
+            let mut guarded = std::pin::pin!(fut);
+            let mut out = std::future::poll_fn(|cx| {
+                let Some(fut) = guarded.as_mut().project().fut.as_pin_mut() else {
+                    return Poll::Ready(Err(DispatchError::Panicked {
+                        message: "(polled after it ended)".to_owned(),
+                    }));
+                };
+                match catch_unwind(AssertUnwindSafe(|| fut.poll(cx))) {
                     Ok(Poll::Ready(v)) => Poll::Ready(Ok(v)),
                     Ok(Poll::Pending) => Poll::Pending,
-                    Err(panic) => Poll::Ready(Err(DispatchError::Panicked {
-                        message: panic_message(&*panic),
-                    })),
+                    Err(panic) => {
+                        count_panic();
+                        Poll::Ready(Err(DispatchError::Panicked {
+                            message: panic_message(&*panic),
+                        }))
+                    }
                 }
             })
             .await;
+            // Drop the future before answering, so a panic in its `Drop` reaches the handle.
+            let mut slot = guarded.as_mut().project().fut;
+            if let Err(panic) = catch_unwind(AssertUnwindSafe(|| slot.set(None))) {
+                count_panic();
+                if out.is_ok() {
+                    out = Err(DispatchError::Panicked {
+                        message: format!("in drop: {}", panic_message(&*panic)),
+                    });
+                }
+            }
+            _done.count_panics();
             let _ = tx.send(out);
         });
     }

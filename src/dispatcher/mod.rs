@@ -8,10 +8,14 @@
 //! ```
 //! use iothrottle::dispatcher::{ClassConfig, Dispatcher, DiskModel, IoRequest};
 //!
-//! let mut builder = Dispatcher::builder().shards(2).disk(DiskModel::default());
-//! let fg = builder.add_class(ClassConfig::new("foreground", 800))?;
-//! let bg = builder.add_class(ClassConfig::new("compaction", 200))?;
-//! let dispatcher = builder.build()?;
+//! let dispatcher = Dispatcher::builder()
+//!     .shards(2)
+//!     .disk(DiskModel::default())
+//!     .class(ClassConfig::new("foreground", 800))
+//!     .class(ClassConfig::new("compaction", 200))
+//!     .build()?;
+//! let fg = dispatcher.class_id("foreground").ok_or("no such class")?;
+//! let bg = dispatcher.class_id("compaction").ok_or("no such class")?;
 //!
 //! let read = dispatcher.submit(fg, IoRequest::read(4096), async { 4096 })?;
 //! let write = dispatcher.submit(bg, IoRequest::write(1 << 20), async { "written" })?;
@@ -29,9 +33,13 @@
 //! do differently from Seastar) follows.
 #![doc = include_str!("../../docs/dispatcher.md")]
 
+#[allow(unreachable_pub)] // `pub` for the loom build, which re-exports it (see `loom.rs`)
+pub(crate) mod alarm;
 mod budget;
 mod class;
 mod cost;
+#[allow(unreachable_pub)] // `pub` for the loom build, which re-exports it (see `loom.rs`)
+pub(crate) mod fair;
 mod handle;
 mod queue;
 mod runner;
@@ -44,21 +52,21 @@ mod tests;
 
 use std::fmt;
 use std::future::Future;
-use std::sync::Mutex;
+use std::sync::{Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
 use tokio::sync::oneshot;
 
-pub use class::{ClassConfig, ClassId};
+pub use class::{ClassConfig, ClassId, Priority};
 pub use cost::{DiskModel, IoKind, IoRequest, Piece};
 pub use handle::{IoHandle, SplitHandle};
 pub use stats::{ClassStats, DispatcherStats, ShardStats};
 
 use crate::bucket::{BucketConfig, BucketState, Rate, SharedTokenBucket};
 use crate::clock::{Clock, MonotonicClock};
-use crate::error::{BuildError, ConfigError, SubmitError};
+use crate::error::{BuildError, ConfigError, ControlError, ShutdownError, SubmitError};
 use crate::sync::{Arc, AtomicU64, Ordering};
 
 use budget::Budget;
@@ -82,6 +90,69 @@ pub(crate) struct Shared {
     pub(crate) clock: ArcClock,
     /// Each shard's stats as it stopped, for [`Dispatcher::stats`] after shutdown.
     pub(crate) final_stats: Mutex<Vec<Option<ShardStats>>>,
+    /// The control generation: bumped after every run-time change (rate, shares, cap); a
+    /// shard that sees a new value re-reads what it caches (its replenish pace, the cap
+    /// buckets). The change itself is published by its own atomics or lock; this counter
+    /// only says "look again".
+    control: AtomicU64,
+    /// User futures whose `poll` or `drop` panicked (caught on the shards).
+    pub(crate) panics: AtomicU64,
+    /// Counts the shard threads still running, for a bounded or async shutdown.
+    pub(crate) exits: ExitLatch,
+}
+
+/// Counts the shard threads still running; each decrements it as it ends (even by a panic).
+#[derive(Debug)]
+pub(crate) struct ExitLatch {
+    running: Mutex<usize>,
+    cv: Condvar,
+    notify: tokio::sync::Notify,
+}
+
+impl ExitLatch {
+    fn new(running: usize) -> Self {
+        ExitLatch {
+            running: Mutex::new(running),
+            cv: Condvar::new(),
+            notify: tokio::sync::Notify::new(),
+        }
+    }
+
+    fn running(&self) -> usize {
+        *self.running.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A shard thread ended.
+    pub(crate) fn exited(&self) {
+        let mut n = self.running.lock().unwrap_or_else(|p| p.into_inner());
+        *n = n.saturating_sub(1);
+        drop(n);
+        self.cv.notify_all();
+        self.notify.notify_waiters();
+    }
+
+    /// Blocks until every shard ended or `timeout` passed; the shards still running.
+    fn wait_timeout(&self, timeout: Duration) -> usize {
+        let n = self.running.lock().unwrap_or_else(|p| p.into_inner());
+        let (n, _) = self
+            .cv
+            .wait_timeout_while(n, timeout, |n| *n > 0)
+            .unwrap_or_else(|p| p.into_inner());
+        *n
+    }
+
+    /// Waits, without blocking the thread, until every shard ended.
+    async fn wait(&self) {
+        loop {
+            let notified = self.notify.notified();
+            let mut notified = std::pin::pin!(notified);
+            notified.as_mut().enable();
+            if self.running() == 0 {
+                return;
+            }
+            notified.await;
+        }
+    }
 }
 
 impl fmt::Debug for Shared {
@@ -113,7 +184,69 @@ impl Shared {
             batch,
             clock,
             final_stats: Mutex::new(vec![None; shards]),
+            control: AtomicU64::new(0),
+            panics: AtomicU64::new(0),
+            exits: ExitLatch::new(shards),
         }
+    }
+
+    /// The control generation (see the field).
+    pub(crate) fn control(&self) -> u64 {
+        // Acquire: pairs with the AcqRel increment in `changed`, so a shard that sees the new
+        // generation also sees the change made before it.
+        self.control.load(Ordering::Acquire)
+    }
+
+    fn changed(&self) {
+        // AcqRel: publishes the change made before it to the shards' Acquire loads.
+        self.control.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Changes the bucket's rate (the shards then need a wake-up).
+    pub(crate) fn set_rate(&self, rate: Rate) -> Result<(), ConfigError> {
+        self.budget.set_rate(rate)?;
+        self.changed();
+        Ok(())
+    }
+
+    fn check_class(&self, class: ClassId) -> Result<(), ControlError> {
+        if class.0 < self.classes.len() {
+            Ok(())
+        } else {
+            Err(ControlError::UnknownClass {
+                class: class.0,
+                classes: self.classes.len(),
+            })
+        }
+    }
+
+    /// Changes a class's shares (the shards then need a wake-up).
+    pub(crate) fn set_shares(&self, class: ClassId, shares: u32) -> Result<(), ControlError> {
+        self.check_class(class)?;
+        let name = self.classes.get(class.0).config.name();
+        class::check_shares(name, shares).map_err(|_| ControlError::SharesOutOfRange {
+            class: name.to_owned(),
+            shares,
+        })?;
+        self.classes.set_shares(class.0, shares);
+        self.changed();
+        Ok(())
+    }
+
+    /// Changes a class's cap (the shards then need a wake-up).
+    pub(crate) fn set_bandwidth_cap(
+        &self,
+        class: ClassId,
+        cap: Option<Rate>,
+    ) -> Result<(), ControlError> {
+        self.check_class(class)?;
+        let bucket = match cap {
+            None => None,
+            Some(rate) => Some(Arc::new(class::cap_bucket(rate, &self.clock)?)),
+        };
+        self.classes.set_cap(class.0, bucket);
+        self.changed();
+        Ok(())
     }
 }
 
@@ -155,6 +288,9 @@ impl fmt::Debug for DispatcherBuilder {
 }
 
 impl DispatcherBuilder {
+    /// The most shards a dispatcher may have (each is an OS thread with its own runtime).
+    pub const MAX_SHARDS: usize = 1024;
+
     fn new() -> Self {
         DispatcherBuilder {
             shards: None,
@@ -172,7 +308,8 @@ impl DispatcherBuilder {
         }
     }
 
-    /// The number of shards (threads). Default: the available cores.
+    /// The number of shards (threads), `1..=MAX_SHARDS`. Default: the available cores. More
+    /// shards than cores is allowed (a `tracing` warning says so at build).
     pub fn shards(mut self, n: usize) -> Self {
         self.shards = Some(n);
         self
@@ -255,7 +392,29 @@ impl DispatcherBuilder {
         self
     }
 
-    /// Adds a class; its id is its position (0, 1, …).
+    /// Adds a class and keeps the chain going; its id is its position (0, 1, …), and
+    /// [`Dispatcher::class_id`] finds it by name. The class is checked by
+    /// [`build`](Self::build) (shares in `1..=1000`, a positive cap, a unique name).
+    ///
+    /// ```
+    /// use iothrottle::dispatcher::{ClassConfig, Dispatcher};
+    ///
+    /// let dispatcher = Dispatcher::builder()
+    ///     .shards(1)
+    ///     .class(ClassConfig::new("foreground", 800))
+    ///     .class(ClassConfig::new("compaction", 200))
+    ///     .build()?;
+    /// let fg = dispatcher.class_id("foreground").expect("configured above");
+    /// assert_eq!(fg.index(), 0);
+    /// # Ok::<(), iothrottle::BuildError>(())
+    /// ```
+    pub fn class(mut self, class: ClassConfig) -> Self {
+        self.classes.push(class);
+        self
+    }
+
+    /// Adds a class and returns its id at once (its position: 0, 1, …), checking it now.
+    /// [`class`](Self::class) is the chaining form.
     pub fn add_class(&mut self, class: ClassConfig) -> Result<ClassId, BuildError> {
         class.validate()?;
         if self.classes.iter().any(|c| c.name() == class.name()) {
@@ -277,11 +436,38 @@ impl DispatcherBuilder {
     pub(crate) fn shared(&self) -> Result<(Arc<Shared>, usize), BuildError> {
         let shards = match self.shards {
             Some(0) => return Err(BuildError::ZeroShards),
-            Some(n) => n,
-            None => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            Some(n) if n > Self::MAX_SHARDS => {
+                return Err(BuildError::TooManyShards {
+                    shards: n,
+                    max: Self::MAX_SHARDS,
+                })
+            }
+            Some(n) => {
+                if let Ok(cores) = std::thread::available_parallelism() {
+                    if n > cores.get() {
+                        tracing::warn!(
+                            shards = n,
+                            cores = cores.get(),
+                            "more dispatcher shards than cores: shards will share cores"
+                        );
+                    }
+                }
+                n
+            }
+            None => std::thread::available_parallelism()
+                .map_or(1, |n| n.get())
+                .min(Self::MAX_SHARDS),
         };
         if self.classes.is_empty() {
             return Err(BuildError::NoClasses);
+        }
+        for (i, c) in self.classes.iter().enumerate() {
+            c.validate()?;
+            if self.classes[..i].iter().any(|o| o.name() == c.name()) {
+                return Err(BuildError::DuplicateClass {
+                    class: c.name().to_owned(),
+                });
+            }
         }
         self.disk.validate()?;
         self.rate.validate()?;
@@ -333,7 +519,12 @@ impl DispatcherBuilder {
 /// [module documentation](self).
 ///
 /// `Send + Sync`: submit from any thread (share it in an `Arc`). Dropping it shuts it down
-/// like [`shutdown_now`](Self::shutdown_now).
+/// like [`shutdown_now`](Self::shutdown_now) (without waiting when dropped in async code).
+///
+/// **Which shutdown to call.** On a plain thread: [`shutdown`](Self::shutdown) (drain) or
+/// [`shutdown_now`](Self::shutdown_now) (cancel what is queued); both block until the running
+/// futures end. In async code: [`shutdown_async`](Self::shutdown_async), or
+/// [`shutdown_timeout`](Self::shutdown_timeout) for a bound.
 pub struct Dispatcher {
     shared: Arc<Shared>,
     senders: Vec<UnboundedSender<Msg>>,
@@ -439,9 +630,9 @@ impl Dispatcher {
             .map(ClassId)
     }
 
-    /// A class's configuration.
-    pub fn class_config(&self, class: ClassId) -> Option<&ClassConfig> {
-        (class.0 < self.classes()).then(|| &self.shared.classes.get(class.0).config)
+    /// A class's configuration now: its current shares and cap.
+    pub fn class_config(&self, class: ClassId) -> Option<ClassConfig> {
+        (class.0 < self.classes()).then(|| self.shared.classes.config(class.0))
     }
 
     /// The disk model.
@@ -481,9 +672,43 @@ impl Dispatcher {
         self.shared.budget.rate()
     }
 
-    /// Changes the bucket's rate; takes effect at the next replenish.
+    /// Changes the bucket's rate, on every shard within one replenish period: the tokens
+    /// earned before the call count at the old rate, later ones at the new rate (the bucket's
+    /// [`set_rate`](SharedTokenBucket::set_rate)), and every shard is woken to re-compute its
+    /// wait, so a request waiting for tokens is served at the new rate's pace.
     pub fn set_rate(&self, rate: Rate) -> Result<(), ConfigError> {
-        self.shared.budget.set_rate(rate)
+        self.shared.set_rate(rate)?;
+        self.wake_shards();
+        Ok(())
+    }
+
+    /// Changes a class's shares (`1..=1000`) while running, like Seastar's
+    /// `update_shares_for_class`: its later reservations count at the new shares (its virtual
+    /// time so far stays). Every shard is woken, so the change holds within one replenish
+    /// period.
+    pub fn set_shares(&self, class: ClassId, shares: u32) -> Result<(), ControlError> {
+        self.shared.set_shares(class, shares)?;
+        self.wake_shards();
+        Ok(())
+    }
+
+    /// Sets, changes or removes (`None`) a class's bandwidth cap while running; `rate` counts
+    /// bytes (`Rate::per_second(50 << 20)` is 50 MiB/s). A new cap starts with a full burst
+    /// (100 ms of it), as at build; a request waiting for bytes of the old cap claims them
+    /// again from the new one. Every shard is woken, so the change holds within one
+    /// replenish period.
+    pub fn set_bandwidth_cap(&self, class: ClassId, cap: Option<Rate>) -> Result<(), ControlError> {
+        self.shared.set_bandwidth_cap(class, cap)?;
+        self.wake_shards();
+        Ok(())
+    }
+
+    /// Makes every shard poll again (after a run-time change).
+    fn wake_shards(&self) {
+        for tx in &self.senders {
+            // A shard that stopped needs no wake-up.
+            let _ = tx.send(Msg::Wake);
+        }
     }
 
     /// Submits `request` of `class`: `fut` runs on a shard once the request's tokens are there,
@@ -709,36 +934,98 @@ impl Dispatcher {
                 .shared
                 .classes
                 .iter()
-                .map(|c| stats::ClassRecorder::new().snapshot(c.config.name(), c.config.shares()))
+                .enumerate()
+                .map(|(i, c)| {
+                    stats::ClassRecorder::new()
+                        .snapshot(c.config.name(), self.shared.classes.shares(i))
+                })
                 .collect(),
         })
+    }
+
+    /// User futures whose `poll` or `drop` panicked. Each panic was caught on its shard,
+    /// which kept running; a panic in `poll` (or in `drop` after completing) reaches the
+    /// request's handle as [`DispatchError::Panicked`](crate::error::DispatchError::Panicked);
+    /// one in the `drop` of a cancelled request has no handle to reach and is only counted.
+    pub fn panics(&self) -> u64 {
+        // Relaxed: a statistic; the shards add to it after each step.
+        self.shared.panics.load(Ordering::Relaxed)
     }
 
     /// Stops taking requests, dispatches everything already queued (at the configured rate),
     /// waits for all futures to finish and joins the shard threads. Idempotent.
     ///
+    /// **Blocks the calling thread** until the last running future ends. From async code,
+    /// where a running future may wait for the very task that calls this (a deadlock), use
+    /// [`shutdown_async`](Self::shutdown_async) or [`shutdown_timeout`](Self::shutdown_timeout).
+    ///
     /// Called from one of this dispatcher's own shards it only starts the shutdown (a shard
     /// cannot join itself); the threads are joined when the dispatcher is dropped elsewhere.
     pub fn shutdown(&self) {
-        self.stop(ShutdownMode::Drain);
+        // Joining cannot time out.
+        let _ = self.stop(ShutdownMode::Drain, Wait::Join);
     }
 
     /// Stops taking requests, fails everything not yet dispatched with
     /// [`DispatchError::ShutDown`](crate::error::DispatchError::ShutDown) (their tokens go
     /// back), waits for the futures already running and joins the shard threads. Idempotent.
+    ///
+    /// **Blocks the calling thread** like [`shutdown`](Self::shutdown).
     pub fn shutdown_now(&self) {
-        self.stop(ShutdownMode::Cancel);
+        // Joining cannot time out.
+        let _ = self.stop(ShutdownMode::Cancel, Wait::Join);
     }
 
-    fn stop(&self, mode: ShutdownMode) {
+    /// [`shutdown`](Self::shutdown), waiting at most `timeout` for the running futures. On
+    /// time out the shards keep draining in the background (detached) and the error says how
+    /// many still run; calling it again (or [`shutdown_async`](Self::shutdown_async)) waits
+    /// more. Bounded, so safe to call from async code (it still blocks for up to `timeout`).
+    pub fn shutdown_timeout(&self, timeout: Duration) -> Result<(), ShutdownError> {
+        self.stop(ShutdownMode::Drain, Wait::Timeout(timeout))
+    }
+
+    /// [`shutdown`](Self::shutdown) for async code: the waiting is `.await`ed, never blocking
+    /// the runtime's thread, so futures on the shards that wait for the caller's own tasks can
+    /// finish. Cancelling it (dropping the future) leaves the shards draining in the
+    /// background.
+    pub async fn shutdown_async(&self) {
+        self.signal(ShutdownMode::Drain);
+        if self.current_shard().is_some() {
+            return;
+        }
+        self.shared.exits.wait().await;
+        self.join();
+    }
+
+    fn signal(&self, mode: ShutdownMode) {
         // Release: pairs with the Acquire in `check`.
         self.closed.store(1, Ordering::Release);
         for tx in &self.senders {
             let _ = tx.send(Msg::Shutdown(mode));
         }
+    }
+
+    fn stop(&self, mode: ShutdownMode, wait: Wait) -> Result<(), ShutdownError> {
+        self.signal(mode);
         if self.current_shard().is_some() {
-            return;
+            return Ok(());
         }
+        match wait {
+            Wait::Join => {}
+            Wait::Timeout(t) => {
+                let running = self.shared.exits.wait_timeout(t);
+                if running > 0 {
+                    return Err(ShutdownError::TimedOut { running });
+                }
+            }
+            Wait::Detach => return Ok(()),
+        }
+        self.join();
+        Ok(())
+    }
+
+    /// Joins the shard threads and stops the timer thread.
+    fn join(&self) {
         let threads = match self.threads.lock() {
             Ok(mut t) => std::mem::take(&mut *t),
             Err(poisoned) => std::mem::take(&mut *poisoned.into_inner()),
@@ -758,13 +1045,32 @@ impl Dispatcher {
     }
 }
 
+/// How [`Dispatcher::stop`] waits for the shard threads.
+#[derive(Debug, Clone, Copy)]
+enum Wait {
+    /// Until they end.
+    Join,
+    /// At most this long.
+    Timeout(Duration),
+    /// Not at all: they end on their own.
+    Detach,
+}
+
 fn fine_thread_handle(t: &timer::TimerThread) -> std::thread::Thread {
     t.thread().clone()
 }
 
 impl Drop for Dispatcher {
+    /// Shuts down like [`shutdown_now`](Dispatcher::shutdown_now). On a thread that runs a
+    /// tokio runtime (async code) it does not wait: the running futures may need that very
+    /// thread, so the shards finish them in the background and end on their own.
     fn drop(&mut self) {
-        self.stop(ShutdownMode::Cancel);
+        let wait = if tokio::runtime::Handle::try_current().is_ok() {
+            Wait::Detach
+        } else {
+            Wait::Join
+        };
+        let _ = self.stop(ShutdownMode::Cancel, wait);
         // Dropped on one of its own shards: the threads could not be joined; at least let the
         // timer thread end (the shards fall back to tokio's timer).
         if let Ok(mut t) = self.timer_thread.lock() {

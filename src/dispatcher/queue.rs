@@ -8,8 +8,9 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 use crate::bucket::ahead;
+use crate::sync::Arc;
 
-use super::class::Classes;
+use super::class::{CapBucket, Classes};
 use super::stats::ClassRecorder;
 
 /// What the dispatcher carries for a request: the user's future, or a test's marker.
@@ -39,8 +40,12 @@ struct ClassQueue<P> {
     active: bool,
     /// Cap bucket position claimed for the head entry, its bytes not there yet.
     cap_wait: Option<u64>,
+    /// Counted in the class's shared `cap_waiting`: non-empty and `cap_wait` is set.
+    waiting: bool,
     /// The head entry's cap bytes are there.
     head_paid: bool,
+    /// This shard's copy of the class's cap bucket (refreshed by [`Queues::refresh`]).
+    cap: Option<Arc<CapBucket>>,
 }
 
 /// What [`Queues::select`] found.
@@ -71,15 +76,35 @@ pub(crate) struct Queues<P> {
     shard: usize,
 }
 
+impl<P> Queues<P> {
+    /// Takes every class out of the shared backlog counts (the shard is going away).
+    pub(crate) fn withdraw(&mut self, shared: &Classes) {
+        for c in 0..self.classes.len() {
+            let q = &mut self.classes[c];
+            if q.active {
+                q.active = false;
+                shared.deactivate(c, self.shard);
+            }
+            if q.waiting {
+                q.waiting = false;
+                shared.cap_waiting(c, false);
+            }
+        }
+    }
+}
+
 impl<P: Payload> Queues<P> {
-    pub(crate) fn new(classes: usize, shard: usize) -> Self {
+    pub(crate) fn new(shared: &Classes, shard: usize) -> Self {
+        let classes = shared.len();
         Queues {
             classes: (0..classes)
-                .map(|_| ClassQueue {
+                .map(|c| ClassQueue {
                     entries: VecDeque::new(),
                     active: false,
                     cap_wait: None,
+                    waiting: false,
                     head_paid: false,
+                    cap: shared.cap(c),
                 })
                 .collect(),
             skipped: vec![false; classes],
@@ -91,6 +116,27 @@ impl<P: Payload> Queues<P> {
     /// Requests queued.
     pub(crate) fn len(&self) -> usize {
         self.len
+    }
+
+    /// Takes up the classes' current cap buckets (after `set_bandwidth_cap`). A head that was
+    /// waiting for bytes of a replaced bucket claims them again from the new one (or goes at
+    /// once when the cap was removed); a head already paid stays paid.
+    pub(crate) fn refresh(&mut self, shared: &Classes) {
+        for c in 0..self.classes.len() {
+            let cap = shared.cap(c);
+            let q = &mut self.classes[c];
+            let same = match (&q.cap, &cap) {
+                (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+                (None, None) => true,
+                _ => false,
+            };
+            if same {
+                continue;
+            }
+            q.cap = cap;
+            q.cap_wait = None;
+            self.sync_active(shared, c);
+        }
     }
 
     /// Queues `entry` at the back of its class.
@@ -105,7 +151,7 @@ impl<P: Payload> Queues<P> {
     pub(crate) fn drain(&mut self, shared: &Classes) -> Vec<Entry<P>> {
         let mut out = Vec::with_capacity(self.len);
         for c in 0..self.classes.len() {
-            self.release_head_cap(shared, c);
+            self.release_head_cap(c);
             out.extend(self.classes[c].entries.drain(..));
             self.sync_active(shared, c);
         }
@@ -134,7 +180,7 @@ impl<P: Payload> Queues<P> {
             let q = &mut self.classes[c];
             let head = q.entries.front().expect("picked classes are non-empty");
             if head.payload.is_cancelled() {
-                self.release_head_cap(shared, c);
+                self.release_head_cap(c);
                 self.classes[c].entries.pop_front();
                 self.len -= 1;
                 stats[c].cancelled += 1;
@@ -169,28 +215,32 @@ impl<P: Payload> Queues<P> {
         }
     }
 
-    /// The non-empty, not yet skipped class with the least virtual time.
+    /// The non-empty, not yet skipped class with the least virtual time, high tier first.
     fn least_virtual_time(&self, shared: &Classes) -> Option<usize> {
-        let mut best: Option<(u64, usize)> = None;
+        let mut best: Option<(bool, u64, usize)> = None;
         for (c, q) in self.classes.iter().enumerate() {
             if q.entries.is_empty() || self.skipped[c] {
                 continue;
             }
-            let v = shared.vtime(c);
-            if best.is_none_or(|(bv, _)| ahead(v, bv) < 0) {
-                best = Some((v, c));
+            let (high, v) = (shared.is_high(c), shared.vtime(c));
+            let better = match best {
+                None => true,
+                Some((bh, bv, _)) => (high && !bh) || (high == bh && ahead(v, bv) < 0),
+            };
+            if better {
+                best = Some((high, v, c));
             }
         }
-        best.map(|(_, c)| c)
+        best.map(|(_, _, c)| c)
     }
 
     /// Whether the head of `c` has its cap bytes (always, for an uncapped class); otherwise
     /// how long until they are there. Claims them the first time it is asked.
     fn cap_ready(&mut self, shared: &Classes, c: usize) -> Result<(), Duration> {
-        let Some(cap) = shared.get(c).cap.as_ref() else {
+        let q = &mut self.classes[c];
+        let Some(cap) = q.cap.clone() else {
             return Ok(());
         };
-        let q = &mut self.classes[c];
         if q.head_paid {
             return Ok(());
         }
@@ -211,15 +261,15 @@ impl<P: Payload> Queues<P> {
             if first_time {
                 self.sync_active(shared, c);
             }
-            Err(cap.duration_for(d))
+            Err(cap_wait_for(&cap, d))
         }
     }
 
     /// The head of `c` leaves without being dispatched: give back its claimed cap bytes.
-    fn release_head_cap(&mut self, shared: &Classes, c: usize) {
+    fn release_head_cap(&mut self, c: usize) {
         let q = &mut self.classes[c];
         if q.head_paid || q.cap_wait.is_some() {
-            if let (Some(cap), Some(head)) = (shared.get(c).cap.as_ref(), q.entries.front()) {
+            if let (Some(cap), Some(head)) = (q.cap.as_ref(), q.entries.front()) {
                 cap.refund(head.bytes);
             }
         }
@@ -230,6 +280,11 @@ impl<P: Payload> Queues<P> {
     /// Keeps the class's shared backlog count in step with this queue.
     fn sync_active(&mut self, shared: &Classes, c: usize) {
         let q = &mut self.classes[c];
+        let waiting = !q.entries.is_empty() && q.cap_wait.is_some();
+        if waiting != q.waiting {
+            q.waiting = waiting;
+            shared.cap_waiting(c, waiting);
+        }
         let want = !q.entries.is_empty() && q.cap_wait.is_none();
         if want != q.active {
             q.active = want;
@@ -239,5 +294,21 @@ impl<P: Payload> Queues<P> {
                 shared.deactivate(c, self.shard);
             }
         }
+    }
+}
+
+/// How long until the cap bucket can cover `missing` bytes: it must have earned them since its
+/// last replenish, and it adds bytes only in steps of its threshold (1 ms of the cap), so
+/// waking sooner than a threshold after the last replenish finds nothing new (the busy-polling
+/// of issue 8, defect 5).
+fn cap_wait_for(cap: &CapBucket, missing: u64) -> Duration {
+    use crate::clock::Clock;
+    let need = cap
+        .duration_for(missing)
+        .max(cap.duration_for(cap.threshold()));
+    let now = cap.clock().now();
+    match cap.last_replenish() {
+        Some(last) if last + need > now => last + need - now,
+        _ => need,
     }
 }

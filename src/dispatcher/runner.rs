@@ -17,7 +17,7 @@ use tokio::sync::{oneshot, Notify};
 use crate::error::DispatchError;
 use crate::sync::Arc;
 
-use super::handle::BoxTask;
+use super::handle::{take_panics, BoxTask};
 use super::queue::Entry;
 use super::shard::{Next, ShardCore};
 use super::stats::ShardStats;
@@ -29,6 +29,8 @@ pub(crate) enum Msg {
     Submit(Entry<BoxTask>),
     Stats(StatsReply),
     Shutdown(ShutdownMode),
+    /// Poll again: a run-time setting changed (rate, shares, cap).
+    Wake,
 }
 
 /// Where a shard sends a copy of its stats.
@@ -87,6 +89,34 @@ pub(crate) struct Completion {
     inflight: Rc<InFlight>,
 }
 
+impl Completion {
+    /// Adds the panics caught on this shard so far to the dispatcher's count (before a
+    /// result reaches its handle, so the count is up to date for whoever awaits it).
+    pub(crate) fn count_panics(&self) {
+        add_panics(&self.inflight.shared);
+    }
+}
+
+/// Moves this thread's caught panics into the dispatcher's count.
+fn add_panics(shared: &Shared) {
+    let n = take_panics();
+    if n > 0 {
+        // Relaxed: a statistic.
+        shared.panics.fetch_add(n, crate::sync::Ordering::Relaxed);
+    }
+}
+
+/// Held by a shard thread: when it ends, however it ends, the dispatcher's exit latch counts
+/// it (and the panics caught in its last steps are counted).
+struct Exit(Arc<Shared>);
+
+impl Drop for Exit {
+    fn drop(&mut self) {
+        add_panics(&self.0);
+        self.0.exits.exited();
+    }
+}
+
 impl Drop for Completion {
     fn drop(&mut self) {
         self.inflight.shared.budget.release(self.cost);
@@ -123,6 +153,7 @@ pub(crate) fn spawn(
                     );
                 }
             }
+            let _exit = Exit(shared.clone());
             CURRENT.with(|c| c.set(Some((id, index))));
             let local = tokio::task::LocalSet::new();
             local.block_on(&rt, run(index, shared, rx, timer));
@@ -163,6 +194,8 @@ async fn run(
                 *closing = Some(mode);
             }
         }
+        // The loop polls the core next, which takes up the change.
+        Msg::Wake => {}
     };
 
     loop {
@@ -191,6 +224,7 @@ async fn run(
             };
             e.payload.spawn_local(done);
         });
+        add_panics(&shared);
         if closing.is_some() && core.borrow().is_idle() {
             break;
         }
@@ -210,8 +244,7 @@ async fn run(
             Next::WakeAfter(d) if d < FINE_BELOW => {
                 // tokio's timer ticks in milliseconds: short sleeps go to the fine timer, with
                 // a tokio sleep as a backstop should its thread be gone.
-                timer.arm(index, d);
-                timer_thread.unpark();
+                timer.arm(index, d, &timer_thread);
                 tokio::select! {
                     biased;
                     msg = rx.recv(), if open => match msg {
@@ -221,7 +254,7 @@ async fn run(
                             closing = Some(ShutdownMode::Cancel);
                         }
                     },
-                    _ = timer.alarm(index).notify.notified() => {}
+                    _ = timer.notify(index).notified() => {}
                     _ = tokio::time::sleep(d + FINE_BELOW) => {}
                 }
                 timer.disarm(index);

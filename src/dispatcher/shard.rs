@@ -60,6 +60,8 @@ pub(crate) struct ShardCore<P> {
     /// Do not replenish before this (local time of last replenish + time for the threshold).
     next_replenish: Duration,
     replenish_step: Duration,
+    /// The dispatcher's control generation this shard last took up (see [`Shared::control`]).
+    control: u64,
     stats: Vec<ClassRecorder>,
     /// Shard-local: never leaves its thread.
     _local: PhantomData<*const ()>,
@@ -70,10 +72,11 @@ impl<P: Payload> ShardCore<P> {
         let n = shared.classes.len();
         let replenish_step = shared.budget.duration_for(shared.budget.threshold());
         ShardCore {
-            queues: Queues::new(n, shard),
+            queues: Queues::new(&shared.classes, shard),
             reservation: None,
             next_replenish: Duration::ZERO,
             replenish_step,
+            control: shared.control(),
             stats: (0..n).map(|_| ClassRecorder::new()).collect(),
             shared,
             _local: PhantomData,
@@ -94,6 +97,18 @@ impl<P: Payload> ShardCore<P> {
     /// Advances the shard at time `now`: dispatches what may go (through `dispatch`) and says
     /// when to come back.
     pub(crate) fn poll(&mut self, now: Duration, dispatch: &mut dyn FnMut(Entry<P>)) -> Next {
+        let control = self.shared.control();
+        if control != self.control {
+            // A rate, shares or cap changed: replenish now and at the new rate's pace, and
+            // take up the new cap buckets.
+            self.control = control;
+            self.replenish_step = self
+                .shared
+                .budget
+                .duration_for(self.shared.budget.threshold());
+            self.next_replenish = now;
+            self.queues.refresh(&self.shared.classes);
+        }
         loop {
             if now >= self.next_replenish {
                 self.shared.budget.replenish_at(now);
@@ -173,7 +188,16 @@ impl<P: Payload> ShardCore<P> {
         self.stats
             .iter()
             .zip(self.shared.classes.iter())
-            .map(|(r, c)| r.snapshot(c.config.name(), c.config.shares()))
+            .enumerate()
+            .map(|(i, (r, c))| r.snapshot(c.config.name(), self.shared.classes.shares(i)))
             .collect()
+    }
+}
+
+impl<P> Drop for ShardCore<P> {
+    /// Whatever ends the shard (even a panic), its classes stop counting as backlogged here,
+    /// so that the other shards' fairness does not wait for them.
+    fn drop(&mut self) {
+        self.queues.withdraw(&self.shared.classes);
     }
 }

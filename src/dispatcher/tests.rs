@@ -66,6 +66,8 @@ struct Sim {
     tokens: Vec<u64>,
     /// Requests dispatched, per feed.
     requests: Vec<u64>,
+    /// When each feed last had a request dispatched.
+    last: Vec<Duration>,
     /// Requests running: (completes at, feed, cost).
     running: Vec<(Duration, usize, u64)>,
     /// How long a dispatched request runs.
@@ -73,6 +75,8 @@ struct Sim {
     /// Every grab size, to check reservations (recorded from the bucket's tail).
     now: Duration,
     polls: u64,
+    /// Polls per shard.
+    shard_polls: Vec<u64>,
 }
 
 impl Sim {
@@ -89,10 +93,12 @@ impl Sim {
             feeds,
             tokens: vec![0; n],
             requests: vec![0; n],
+            last: vec![Duration::ZERO; n],
             running: Vec::new(),
             latency: Duration::ZERO,
             now: Duration::ZERO,
             polls: 0,
+            shard_polls: vec![0; shards],
         }
     }
 
@@ -151,12 +157,14 @@ impl Sim {
                     continue;
                 }
                 self.polls += 1;
+                self.shard_polls[s] += 1;
                 let mut out = Vec::new();
                 let next = self.shards[s].poll(now, &mut |e| out.push(e));
                 for e in out {
                     let f = e.payload.feed;
                     self.tokens[f] += e.cost;
                     self.requests[f] += 1;
+                    self.last[f] = now;
                     if self.latency.is_zero() {
                         self.complete(f, e.cost);
                     } else {
@@ -169,6 +177,15 @@ impl Sim {
                 };
             }
             step += 1;
+        }
+    }
+
+    /// A run-time change made through `f` (as `Dispatcher::set_rate`, `set_shares`,
+    /// `set_bandwidth_cap` make it), then every shard woken, as their `Msg::Wake` does.
+    fn control(&mut self, f: impl FnOnce(&Shared)) {
+        f(&self.shared);
+        for w in &mut self.wake {
+            *w = Some(self.now);
         }
     }
 
@@ -484,5 +501,258 @@ fn a_class_waking_next_to_a_queue_depth_one_class_does_not_bank() {
     );
     // At most one compaction piece (460 µs) ahead, its own tokens, and the 10 µs steps.
     assert!(fg_max <= 2 * MS, "{fg_max:?}");
+    sim.drain();
+}
+
+fn class(b: &mut DispatcherBuilder, name: &str, shares: u32) -> ClassId {
+    b.add_class(ClassConfig::new(name, shares)).unwrap()
+}
+
+/// A dispatcher of 1,000 tokens per second with a threshold of 100 (a replenish period of
+/// 100 ms), requests of 1,000 tokens: one per second. The first fill (2,000) serves one request
+/// per shard at once.
+fn slow_sim(shards: usize) -> (Sim, ClassId) {
+    let mut b = builder(shards)
+        .rate(Rate::per_second(1000))
+        .limit(2000)
+        .threshold(100)
+        .max_cost(1000)
+        .batch(1000);
+    let c = class(&mut b, "c", 100);
+    let feeds = (0..shards)
+        .map(|s| Feed::new(s, c, IoRequest::tokens(1000), 1).between(Duration::ZERO, 2 * MS))
+        .collect();
+    let mut sim = Sim::new(b, ManualClock::new(), feeds);
+    sim.latency = Duration::from_micros(1);
+    (sim, c)
+}
+
+/// Regression (issue 8, defect 4): `Dispatcher::set_rate` did not wake the shards, and a shard
+/// kept the old rate's replenish period, so after a 1,000× raise a waiting request was still
+/// served at its old deadline (1 s instead of ~1 ms). Now every shard takes up the new rate
+/// within one replenish period.
+#[test]
+fn set_rate_wakes_every_shard() {
+    let (mut sim, _) = slow_sim(2);
+    // The first fill (1,000 tokens) serves one request; each shard's next waits for 1 s.
+    sim.run(10 * MS, Duration::from_micros(1));
+    assert_eq!(sim.requests.iter().sum::<u64>(), 2, "{:?}", sim.requests);
+    sim.control(|s| s.set_rate(Rate::per_second(1_000_000)).unwrap());
+    sim.run(20 * MS, Duration::from_micros(1));
+    // 2,000 tokens at 10^6 per second: 2 ms, plus one replenish period (100 µs) per shard.
+    let deadline = 10 * MS + 2 * MS + 2 * Duration::from_micros(100);
+    println!("after a 1,000x raise at 10 ms: served at {:?}", sim.last);
+    for (feed, at) in sim.last.iter().enumerate() {
+        assert_eq!(sim.requests[feed], 2, "feed {feed}");
+        assert!(*at <= deadline, "feed {feed} served at {at:?}");
+    }
+    sim.drain();
+}
+
+/// Issue 8, defect 3 through the dispatcher: the 10 ms before a raise earn 10 tokens at the
+/// old rate, not 10,000 at the new one, so the waiting requests (1,980 tokens still owed) are
+/// served no earlier than ~2 ms after the raise. Needs the bucket's exact `set_rate` (the
+/// bucket branch): today's bucket re-prices the past.
+#[test]
+#[ignore = "needs SharedTokenBucket::set_rate to close the old rate's interval (bucket branch)"]
+fn set_rate_counts_the_time_before_at_the_old_rate() {
+    let (mut sim, _) = slow_sim(2);
+    sim.run(10 * MS, Duration::from_micros(1));
+    sim.control(|s| s.set_rate(Rate::per_second(1_000_000)).unwrap());
+    sim.run(20 * MS, Duration::from_micros(1));
+    let served = *sim.last.iter().max().unwrap();
+    // 10 tokens earned before the raise: the other 1,990 need 1.99 ms at the new rate.
+    assert!(
+        served >= 10 * MS + Duration::from_micros(1_990),
+        "{served:?}"
+    );
+    sim.drain();
+}
+
+#[test]
+fn a_lowered_rate_holds_within_a_replenish_period() {
+    let mut b = builder(2).rate(Rate::per_second(100_000_000));
+    let c = class(&mut b, "c", 100);
+    let req = IoRequest::read(4096);
+    let feeds = vec![Feed::new(0, c, req, 64), Feed::new(1, c, req, 64)];
+    let mut sim = Sim::new(b, ManualClock::new(), feeds);
+    sim.run(100 * MS, DT);
+    sim.control(|s| s.set_rate(Rate::per_second(10_000_000)).unwrap());
+    let before: u64 = sim.tokens.iter().sum();
+    sim.run(1100 * MS, DT);
+    let got = sim.tokens.iter().sum::<u64>() - before;
+    println!("after lowering to 10^7 tokens/s: {got} tokens in 1 s");
+    // The new rate, plus at most what the bucket held (its limit: 4 ms at the old rate) and
+    // one reservation per shard.
+    let slack = sim.shared.budget.limit() + 2 * sim.shared.batch;
+    assert!(got <= 10_000_000 + slack, "{got}");
+    assert!(got >= 9_900_000, "{got}");
+    sim.drain();
+}
+
+/// Regression (issue 8, defect 5): a class waiting for its bandwidth cap slept
+/// `cap.duration_for(missing)` — nanoseconds for a few bytes — although the cap bucket adds
+/// bytes only in steps of its threshold (1 ms of the cap): hundreds of wake-ups where one
+/// suffices. Counts the shard's polls; no timing.
+#[test]
+fn a_capped_class_does_not_busy_poll() {
+    let mut b = builder(1);
+    // 1,000,000 bytes per second: the cap bucket adds bytes in steps of 1,000 (1 ms).
+    let capped = b
+        .add_class(ClassConfig::new("capped", 100).with_bandwidth_cap(1_000_000))
+        .unwrap();
+    // 1,010-byte requests: after each step the next request is a few bytes short, fewer
+    // than a step.
+    let feeds = vec![Feed::new(0, capped, IoRequest::write(1010), 1)];
+    let mut sim = Sim::new(b, ManualClock::new(), feeds);
+    sim.run(1000 * MS, Duration::from_micros(1));
+    let requests = sim.requests[0];
+    let polls = sim.shard_polls[0];
+    let per_request = polls as f64 / requests as f64;
+    println!("capped class: {requests} requests, {polls} polls ({per_request:.1} per request)");
+    // The burst (100 ms of the cap), then one per ~1 ms.
+    assert!(requests >= 900, "{requests}");
+    // One poll when the request arrives (it claims its bytes) and one when they are there.
+    assert!(per_request <= 2.0, "{per_request} polls per request");
+    sim.drain();
+}
+
+#[test]
+fn set_shares_takes_effect_on_every_shard() {
+    let mut b = builder(2);
+    let x = class(&mut b, "x", 100);
+    let y = class(&mut b, "y", 100);
+    let req = IoRequest::read(4096);
+    let feeds = vec![Feed::new(0, x, req, 256), Feed::new(1, y, req, 256)];
+    let mut sim = Sim::new(b, ManualClock::new(), feeds);
+    sim.run(200 * MS, DT);
+    let r = ratio(sim.tokens[0], sim.tokens[1]);
+    assert!((r - 1.0).abs() <= 0.05, "before: {r}");
+    sim.control(|s| s.set_shares(x, 400).unwrap());
+    // Within a replenish period (20 µs) and a reservation: measure from 1 ms after.
+    sim.run(201 * MS, DT);
+    let before = sim.tokens.clone();
+    sim.run(301 * MS, DT);
+    let r = ratio(sim.tokens[0] - before[0], sim.tokens[1] - before[1]);
+    println!("shares 1:1 changed to 4:1 across shards: {r:.3}");
+    assert!((r / 4.0 - 1.0).abs() <= 0.10, "after: {r}");
+    assert_eq!(sim.shards[0].stats()[0].shares, 400);
+    sim.drain();
+}
+
+#[test]
+fn set_bandwidth_cap_sets_changes_and_removes_a_cap() {
+    let mut b = builder(2);
+    let c = class(&mut b, "c", 100);
+    let req = IoRequest::write(64 << 10);
+    let feeds = vec![Feed::new(0, c, req, 16), Feed::new(1, c, req, 16)];
+    let mut sim = Sim::new(b, ManualClock::new(), feeds);
+    let bytes = |sim: &Sim| sim.requests.iter().sum::<u64>() * (64 << 10);
+    sim.run(100 * MS, DT);
+    let free = bytes(&sim);
+    let window = |sim: &mut Sim, cap: Option<u64>, until: Duration| {
+        sim.control(|s| s.set_bandwidth_cap(c, cap.map(Rate::per_second)).unwrap());
+        let before = bytes(sim);
+        sim.run(until, DT);
+        bytes(sim) - before
+    };
+    let capped = window(&mut sim, Some(50 << 20), 600 * MS);
+    let raised = window(&mut sim, Some(200 << 20), 1100 * MS);
+    let removed = window(&mut sim, None, 1200 * MS);
+    println!(
+        "uncapped {} MiB/100 ms; cap 50 MiB/s: {} MiB/500 ms; 200 MiB/s: {} MiB/500 ms; \
+         removed: {} MiB/100 ms",
+        free >> 20,
+        capped >> 20,
+        raised >> 20,
+        removed >> 20
+    );
+    // Each cap: its rate over 500 ms, plus its burst (100 ms) and one request per shard.
+    let within = |got: u64, cap: u64| {
+        // The reservations already made when the cap changed (one per shard, 250 µs of disk
+        // time: up to 4 requests each) are not held back.
+        let most = cap / 2 + cap / 10 + 8 * (64 << 10);
+        assert!(
+            got <= most && got >= cap / 2 * 9 / 10,
+            "{got} for cap {cap}"
+        );
+    };
+    within(capped, 50 << 20);
+    within(raised, 200 << 20);
+    assert!(removed * 10 >= free * 9, "{removed} vs {free}");
+    sim.drain();
+}
+
+#[test]
+fn a_high_priority_class_goes_first_within_the_rate() {
+    // The high class (1 share) runs at queue depth 1; the normal classes (1,000 shares each)
+    // saturate. A high request waits at most for the reservations already ahead of it in the
+    // bucket (its shard's, the other shard's, and the one that shard may grab meanwhile:
+    // 3 × 250 µs), and the normal classes share the rest 1:1.
+    let mut b = builder(2).disk(DiskModel::new(u64::MAX / 4, u64::MAX / 4, 100_000, 100_000));
+    let hi = b
+        .add_class(ClassConfig::new("hi", 1).with_priority(Priority::High))
+        .unwrap();
+    let x = class(&mut b, "x", 1000);
+    let y = class(&mut b, "y", 1000);
+    let req = IoRequest::read(0);
+    let feeds = vec![
+        Feed::new(0, hi, req, 1),
+        Feed::new(0, x, req, 256),
+        Feed::new(1, y, req, 256),
+    ];
+    let mut sim = Sim::new(b, ManualClock::new(), feeds);
+    sim.latency = Duration::from_micros(100);
+    sim.run(1000 * MS, DT);
+    let total: u64 = sim.tokens.iter().sum();
+    println!(
+        "high priority at queue depth 1: {} requests ({:.3} of the tokens); normal {} and {}",
+        sim.requests[0],
+        sim.share(0),
+        sim.tokens[1],
+        sim.tokens[2]
+    );
+    let wait = sim.shards[0].stats()[0].queue_wait_max();
+    println!("high priority: max queue wait {wait:?}");
+    assert!(wait <= 800 * Duration::from_micros(1), "{wait:?}");
+    assert!(sim.requests[0] >= 2_000, "{}", sim.requests[0]);
+    assert!(total <= 1_000_000_000 + sim.shared.budget.limit());
+    let r = ratio(sim.tokens[1], sim.tokens[2]);
+    assert!((r - 1.0).abs() <= 0.10, "normal classes {r}");
+    sim.drain();
+
+    // Saturating, the high class takes the disk: the normal class gets at most a few
+    // reservations that were already queued when the high class's arrived.
+    let mut b = builder(2);
+    let hi = b
+        .add_class(ClassConfig::new("hi", 1).with_priority(Priority::High))
+        .unwrap();
+    let lo = class(&mut b, "lo", 1000);
+    let req = IoRequest::read(4096);
+    let feeds = vec![Feed::new(0, hi, req, 256), Feed::new(1, lo, req, 256)];
+    let mut sim = Sim::new(b, ManualClock::new(), feeds);
+    sim.run(1000 * MS, DT);
+    println!("saturating high class: {:.4} of the tokens", sim.share(0));
+    assert!(sim.share(0) >= 0.99, "{}", sim.share(0));
+    sim.drain();
+}
+
+/// Shares hold while virtual time crosses its wrap (issue 8, defect 6).
+#[test]
+fn shares_hold_across_the_virtual_time_wrap() {
+    let mut b = builder(2);
+    let hi = class(&mut b, "hi", 400);
+    let lo = class(&mut b, "lo", 100);
+    let req = IoRequest::read(4096);
+    let feeds = vec![Feed::new(0, hi, req, 256), Feed::new(1, lo, req, 256)];
+    let mut sim = Sim::new(b, ManualClock::new(), feeds);
+    // ~2e9 virtual units per second for these classes: they wrap after ~0.5 s.
+    sim.shared.classes.fair().start_at(u64::MAX - 1_000_000_000);
+    sim.run(1000 * MS, DT);
+    let v = sim.shared.classes.vtime(hi.0);
+    assert!(v < 1 << 40, "did not wrap: {v}");
+    let r = ratio(sim.tokens[0], sim.tokens[1]);
+    println!("4:1 across the wrap: {r:.3}");
+    assert!((r / 4.0 - 1.0).abs() <= 0.10, "{r}");
     sim.drain();
 }
