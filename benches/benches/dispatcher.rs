@@ -28,6 +28,13 @@ fn current_thread() -> tokio::runtime::Runtime {
 fn unthrottled(shards: usize) -> (Dispatcher, ClassId) {
     let mut b = Dispatcher::builder()
         .shards(shards)
+        .disk(DiskModel::new(
+            2_000_000_000,
+            1_000_000_000,
+            400_000,
+            100_000,
+        ))
+        .capped(false)
         .rate(Rate::per_second(Rate::MAX_PER_SECOND))
         .limit(1 << 50)
         .threshold(1 << 20)
@@ -115,6 +122,7 @@ fn queue_depth_one(c: &mut Criterion) {
                 1_000_000,
                 1_000_000,
             ))
+            .capped(false)
             .limit(1_000_000);
         let class = b.add_class(ClassConfig::new("c", 100)).unwrap();
         let d = Arc::new(b.build().unwrap());
@@ -223,6 +231,7 @@ fn fairness(c: &mut Criterion) {
         Dispatcher::builder()
             .shards(shards)
             .disk(DiskModel::new(100_000_000, 100_000_000, 10_000, 10_000))
+            .capped(false)
             .limit(25_000_000)
             .batch(500_000)
     };
