@@ -90,9 +90,17 @@ struct Args {
     /// Dispatcher shards (threads).
     #[arg(long, default_value_t = 1)]
     shards: usize,
-    /// Size of the foreground's file and of the compaction's, MiB each.
+    /// Size of the foreground's region of the scratch file, MiB.
     #[arg(long, default_value_t = 1024)]
-    file_mib: u64,
+    fg_mib: u64,
+    /// Size of the compaction's region, MiB (it cycles over it). Small enough that what the
+    /// host caches of it drains in about a second between phases.
+    #[arg(long, default_value_t = 256)]
+    bg_mib: u64,
+    /// Pause between phases, milliseconds, so that one phase's write-back does not land in
+    /// the next.
+    #[arg(long, default_value_t = 1500)]
+    settle_ms: u64,
     /// Where to write the plot (SVG).
     #[arg(long, default_value = "disk_throttle.svg")]
     plot: PathBuf,
@@ -195,7 +203,8 @@ fn check_args(args: &Args) -> Result<PathBuf, BoxError> {
         ("--bg-depth", args.bg_depth as u64),
         ("--goal-us", args.goal_us),
         ("--shards", args.shards as u64),
-        ("--file-mib", args.file_mib),
+        ("--fg-mib", args.fg_mib),
+        ("--bg-mib", args.bg_mib),
     ];
     for (flag, v) in positive {
         if v == 0 {
@@ -215,12 +224,15 @@ fn check_args(args: &Args) -> Result<PathBuf, BoxError> {
     if args.fg_depth > 1024 || args.bg_depth > 256 || args.shards > 64 {
         return Err("--fg-depth is at most 1024, --bg-depth 256, --shards 64".into());
     }
-    if args.file_mib * 1024 < 4 * args.bg_kib || args.file_mib > 1 << 20 {
+    if args.bg_mib * 1024 < 4 * args.bg_kib || args.bg_mib > 1 << 20 || args.fg_mib > 1 << 20 {
         return Err(format!(
-            "--file-mib must hold at least four compaction writes and be at most 1 TiB, got {}",
-            args.file_mib
+            "--bg-mib must hold at least four compaction writes; --fg-mib and --bg-mib are at most 1 TiB (got {} and {})",
+            args.fg_mib, args.bg_mib
         )
         .into());
+    }
+    if args.settle_ms > 60_000 {
+        return Err("--settle-ms must be at most 60000".into());
     }
     if let Some(p) = args.piece_us {
         if p == 0 || p > args.goal_us {
@@ -480,7 +492,7 @@ fn measure(
 }
 
 fn quick_model(file: &Arc<File>, fg: (u64, u64), bg: (u64, u64)) -> Result<DiskModel, BoxError> {
-    let t = Duration::from_millis(750);
+    let t = Duration::from_millis(500);
     let (read_iops, _) = measure(file, fg, false, true, 4096, 32, t)?;
     let (_, read_bw) = measure(file, fg, false, false, 1 << 20, 4, t)?;
     let (write_iops, _) = measure(file, bg, true, true, 4096, 32, t)?;
@@ -851,6 +863,20 @@ async fn run_phase(
     })
 }
 
+/// Flushes and pauses, so that the previous step's write-back does not land in the next phase.
+async fn settle(ctx: &Ctx, args: &Args) -> Result<(), BoxError> {
+    let f = ctx.file.clone();
+    tokio::task::spawn_blocking(move || f.sync_data()).await??;
+    let end = Instant::now() + Duration::from_millis(args.settle_ms);
+    while Instant::now() < end {
+        if ctx.interrupted.load(Ordering::Relaxed) {
+            return Err("interrupted".into());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(())
+}
+
 fn fmt_d(d: Duration) -> String {
     if d >= Duration::from_millis(10) {
         format!("{:.1} ms", d.as_secs_f64() * 1e3)
@@ -886,9 +912,9 @@ fn print_row(r: &Row, sec: u64) {
 fn real_disk(args: &Args) -> Result<(), BoxError> {
     let parent = check_args(args)?;
     let bg_bytes = args.bg_kib * 1024;
-    let region_bytes = args.file_mib << 20;
+    let region_bytes = args.fg_mib << 20;
     // The compaction cycles over whole writes of its region.
-    let bg_region_len = region_bytes / bg_bytes * bg_bytes;
+    let bg_region_len = (args.bg_mib << 20) / bg_bytes * bg_bytes;
     // Checked before the run: the buffers can be had.
     drop(AlignedBuf::new(bg_bytes as usize, 0)?);
 
@@ -957,15 +983,16 @@ async fn real_disk_inner(
         args.bg_kib
     );
     println!(
-        "  scratch file {} ({} MiB for each)",
+        "  scratch file {} ({} MiB read by the foreground, {} MiB written by the compaction)",
         path.display(),
-        args.file_mib
+        args.fg_mib,
+        args.bg_mib
     );
     // Write the whole file once (unwritten extents would read as zeros without touching the disk).
     let t = Instant::now();
     {
         let file = file.clone();
-        let total = 2 * region_bytes;
+        let total = region_bytes + bg_region_len;
         let interrupted = interrupted.clone();
         tokio::task::spawn_blocking(move || -> Result<(), BoxError> {
             let buf = AlignedBuf::new(4 << 20, 0xA5)?;
@@ -986,7 +1013,7 @@ async fn real_disk_inner(
     }
     println!(
         "  wrote {} MiB in {:.1} s",
-        2 * args.file_mib,
+        (region_bytes + bg_region_len) >> 20,
         t.elapsed().as_secs_f64()
     );
 
@@ -1064,6 +1091,7 @@ async fn real_disk_inner(
             }
             Phase::IoThrottle => Route::Dispatched(d.clone(), fg_class, bg_class),
         };
+        settle(&ctx, args).await?;
         let r = run_phase(&ctx, args, phase, path, t0, &mut rows).await?;
         t0 += args.phase_secs as f64;
         results.push(r);

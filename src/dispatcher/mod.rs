@@ -94,6 +94,9 @@ pub(crate) struct Shared {
     pub(crate) clock: ArcClock,
     /// Each shard's stats as it stopped, for [`Dispatcher::stats`] after shutdown.
     pub(crate) final_stats: Mutex<Vec<Option<ShardStats>>>,
+    /// One per shard: notified when a completion gives capacity back (capped mode), so that a
+    /// shard waiting for it re-polls at once instead of at its next timed check.
+    pub(crate) released: Vec<tokio::sync::Notify>,
 }
 
 impl fmt::Debug for Shared {
@@ -127,6 +130,7 @@ impl Shared {
             batch,
             clock,
             final_stats: Mutex::new(vec![None; shards]),
+            released: (0..shards).map(|_| tokio::sync::Notify::new()).collect(),
         }
     }
 }

@@ -94,7 +94,14 @@ pub(crate) struct Completion {
 
 impl Drop for Completion {
     fn drop(&mut self) {
-        self.inflight.shared.budget.release(self.cost);
+        let shared = &self.inflight.shared;
+        shared.budget.release(self.cost);
+        if shared.budget.is_capped() {
+            // Capacity came back: wake the shards that wait for it (every shard shares it).
+            for n in &shared.released {
+                n.notify_one();
+            }
+        }
         if let Some(core) = self.inflight.core.upgrade() {
             // Completions run in the shard's tasks, never inside the loop's own borrow; should
             // one ever overlap, the sample is skipped rather than panicking.
@@ -240,6 +247,7 @@ async fn run(
                             closing = Some(ShutdownMode::Cancel);
                         }
                     },
+                    _ = shared.released[index].notified() => {}
                     _ = timer.alarm(index).notify.notified() => {}
                     _ = tokio::time::sleep(d + FINE_BELOW) => {}
                 }
@@ -255,6 +263,7 @@ async fn run(
                             closing = Some(ShutdownMode::Cancel);
                         }
                     },
+                    _ = shared.released[index].notified() => {}
                     _ = tokio::time::sleep(d.max(Duration::from_nanos(1))) => {}
                 }
             }
