@@ -10,11 +10,15 @@
 //! 1. **Disk model**: measured in a few seconds with O_DIRECT (random 4 KiB reads and writes at
 //!    queue depth 32, sequential 1 MiB reads and writes at queue depth 4), or loaded from a
 //!    Seastar `io_properties.yaml` (`--properties`).
-//! 2. **Four phases** of `--phase-secs` each, on scratch files in a temporary directory under
-//!    `--dir` (a real disk; tmpfs has no O_DIRECT), removed at the end, on error and on Ctrl-C:
+//! 2. **Five phases**, `--phase-secs` seconds each, run as interleaved one-second slices (one
+//!    of each phase per round, so that whatever else the machine does falls on all alike), on
+//!    scratch files in a temporary directory under `--dir` (a real disk; tmpfs has no
+//!    O_DIRECT), removed at the end, on error and on Ctrl-C:
 //!    - `idle`: foreground random 4 KiB O_DIRECT reads alone (`--fg-depth` readers, paced to
 //!      `--fg-iops` in total);
-//!    - `unthrottled`: the same, plus a "compaction" of sequential `--bg-kib` O_DIRECT writes,
+//!    - `idle-disp`: the same through the dispatcher (what its path costs, without
+//!      compaction; not in the summary line);
+//!    - `unthrottled`: the foreground plus a "compaction" of sequential `--bg-kib` O_DIRECT writes,
 //!      `--bg-depth` in flight, as fast as the disk takes them;
 //!    - `plain`: the compaction through a plain rate limiter at `--plain-rate` (a [`Throttle`],
 //!      the RocksDB way);
@@ -39,7 +43,7 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use hdrhistogram::Histogram;
 use iothrottle::dispatcher::{
-    ClassConfig, ClassId, ClassStats, DiskModel, Dispatcher, DispatcherStats, IoKind, IoRequest,
+    ClassConfig, ClassId, DiskModel, Dispatcher, DispatcherStats, IoKind, IoRequest,
 };
 use iothrottle::{BucketConfig, Rate, Throttle, Uncapped};
 
@@ -58,8 +62,9 @@ struct Args {
     /// Run the modelled-disk demo instead (shares between two classes on a modelled disk).
     #[arg(long)]
     modelled: bool,
-    /// Length of each of the four phases, seconds.
-    #[arg(long, default_value_t = 8)]
+    /// Seconds of each phase: the phases run in interleaved one-second slices, this many
+    /// rounds.
+    #[arg(long, default_value_t = 7)]
     phase_secs: u64,
     /// Foreground readers (reads in flight at most).
     #[arg(long, default_value_t = 4)]
@@ -97,9 +102,9 @@ struct Args {
     /// host caches of it drains in about a second between phases.
     #[arg(long, default_value_t = 256)]
     bg_mib: u64,
-    /// Pause between phases, milliseconds, so that one phase's write-back does not land in
-    /// the next.
-    #[arg(long, default_value_t = 1500)]
+    /// Pause after each round (after its unthrottled slice), milliseconds, so that its
+    /// write-back does not land in the next round.
+    #[arg(long, default_value_t = 1000)]
     settle_ms: u64,
     /// Where to write the plot (SVG).
     #[arg(long, default_value = "disk_throttle.svg")]
@@ -520,19 +525,22 @@ impl Rng {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The four phases.
+// The phases.
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
     Idle,
+    /// The foreground alone, through the dispatcher: what the dispatcher's path costs.
+    IdleDispatched,
     Unthrottled,
     Plain,
     IoThrottle,
 }
 
 impl Phase {
-    const ALL: [Phase; 4] = [
+    const ALL: [Phase; 5] = [
         Phase::Idle,
+        Phase::IdleDispatched,
         Phase::Unthrottled,
         Phase::Plain,
         Phase::IoThrottle,
@@ -541,6 +549,7 @@ impl Phase {
     fn name(self) -> &'static str {
         match self {
             Phase::Idle => "idle",
+            Phase::IdleDispatched => "idle-disp",
             Phase::Unthrottled => "unthrottled",
             Phase::Plain => "plain",
             Phase::IoThrottle => "iothrottle",
@@ -598,13 +607,49 @@ struct Row {
 struct PhaseResult {
     phase: Phase,
     fg: Histogram<u64>,
-    fg_iops: f64,
-    bg_mb_s: f64,
-    busy: Option<f64>,
+    /// Seconds measured.
+    elapsed: f64,
+    bg_bytes: u64,
+    /// Milliseconds the disk was busy (None if /sys cannot tell).
+    busy_ms: Option<u64>,
     fg_errors: u64,
     bg_errors: u64,
-    /// Dispatcher stats of the phase (iothrottle only).
-    dispatcher: Option<(ClassStats, ClassStats)>,
+}
+
+impl PhaseResult {
+    fn empty(phase: Phase) -> Self {
+        PhaseResult {
+            phase,
+            fg: new_hist(),
+            elapsed: 0.0,
+            bg_bytes: 0,
+            busy_ms: Some(0),
+            fg_errors: 0,
+            bg_errors: 0,
+        }
+    }
+
+    fn add(&mut self, o: &PhaseResult) {
+        self.fg.add(&o.fg).expect("same bounds");
+        self.elapsed += o.elapsed;
+        self.bg_bytes += o.bg_bytes;
+        self.busy_ms = self.busy_ms.zip(o.busy_ms).map(|(a, b)| a + b);
+        self.fg_errors += o.fg_errors;
+        self.bg_errors += o.bg_errors;
+    }
+
+    fn fg_iops(&self) -> f64 {
+        self.fg.len() as f64 / self.elapsed.max(1e-9)
+    }
+
+    fn bg_mb_s(&self) -> f64 {
+        self.bg_bytes as f64 / self.elapsed.max(1e-9) / 1e6
+    }
+
+    fn busy(&self) -> Option<f64> {
+        self.busy_ms
+            .map(|b| b as f64 / (self.elapsed.max(1e-9) * 1000.0))
+    }
 }
 
 fn q(h: &Histogram<u64>, q: f64) -> Duration {
@@ -660,12 +705,13 @@ async fn write_once(
         .unwrap_or_else(|e| Err(std::io::Error::other(e)))
 }
 
+/// Runs one slice of `phase`, `secs` seconds long, with a row per second.
 async fn run_phase(
     ctx: &Ctx,
     args: &Args,
-    phase: Phase,
+    (phase, round): (Phase, u64),
     path: Route,
-    t0: f64,
+    secs: u64,
     rows: &mut Vec<Row>,
 ) -> Result<PhaseResult, BoxError> {
     let rec = Arc::new(Recorder::new());
@@ -716,7 +762,7 @@ async fn run_phase(
         }));
     }
     // Compaction writers.
-    if phase != Phase::Idle {
+    if !matches!(phase, Phase::Idle | Phase::IdleDispatched) {
         let buf = Arc::new(AlignedBuf::new(ctx.bg_bytes as usize, 0xC0)?);
         let next_write = Arc::new(AtomicU64::new(0));
         let slots = ctx.bg_region.1 / ctx.bg_bytes;
@@ -783,7 +829,7 @@ async fn run_phase(
     let mut last_stats: Option<DispatcherStats> = stats0.clone();
     let busy0 = ctx.busy.busy_ms();
     let (mut last_busy, mut last_t, mut last_bg) = (busy0, start, 0u64);
-    for sec in 1..=args.phase_secs {
+    for sec in 1..=secs {
         let at = start + Duration::from_secs(sec);
         while Instant::now() < at {
             if ctx.interrupted.load(Ordering::Relaxed) {
@@ -813,7 +859,7 @@ async fn run_phase(
         };
         let row = Row {
             phase,
-            t: t0 + (now - start).as_secs_f64(),
+            t: (round - 1 + sec) as f64,
             fg_iops: fg_count as f64 / dt,
             fg_p50: q(&second, 0.5),
             fg_p99: q(&second, 0.99),
@@ -824,7 +870,7 @@ async fn run_phase(
                 _ => None,
             },
         };
-        print_row(&row, sec);
+        print_row(&row, round - 1 + sec);
         rows.push(row);
         last_busy = busy;
         last_t = now;
@@ -838,29 +884,39 @@ async fn run_phase(
         let _ = t.await;
     }
     let fg = rec.fg.lock().map_err(|_| "poisoned")?.0.clone();
-    let dispatcher_stats = match (&dispatcher, &stats0) {
-        (Some((d, fg_c, bg_c)), Some(s0)) => {
-            let s = d.stats().await.since(s0);
-            Some((
-                s.classes[fg_c.index()].clone(),
-                s.classes[bg_c.index()].clone(),
-            ))
-        }
-        _ => None,
-    };
     Ok(PhaseResult {
         phase,
-        fg_iops: fg.len() as f64 / elapsed,
         fg,
-        bg_mb_s: bg_total as f64 / elapsed / 1e6,
-        busy: match (busy_end, busy0) {
-            (Some(b), Some(l)) => Some((b - l) as f64 / (elapsed * 1000.0)),
-            _ => None,
-        },
+        elapsed,
+        bg_bytes: bg_total,
+        busy_ms: busy_end.zip(busy0).map(|(b, l)| b - l),
         fg_errors: rec.fg_errors.load(Ordering::Relaxed),
         bg_errors: rec.bg_errors.load(Ordering::Relaxed),
-        dispatcher: dispatcher_stats,
     })
+}
+
+/// A few hundred reads by both routes, not recorded: the blocking pools' threads and the
+/// shard's first wake-ups are not what the phases measure.
+async fn warm_up(ctx: &Ctx, d: &Arc<Dispatcher>, fg: ClassId) -> Result<(), BoxError> {
+    let mut buf = AlignedBuf::new(READ_BYTES as usize, 0)?;
+    let slots = ctx.fg_region.1 / READ_BYTES;
+    let mut rng = Rng(42);
+    for i in 0..400 {
+        let off = rng.below(slots) * READ_BYTES;
+        let (b, r) = if i % 2 == 0 {
+            read_once(ctx.file.clone(), buf, off).await
+        } else {
+            let h = d.submit(
+                fg,
+                IoRequest::read(READ_BYTES),
+                read_once(ctx.file.clone(), buf, off),
+            )?;
+            h.await?
+        };
+        r?;
+        buf = b;
+    }
+    Ok(())
 }
 
 /// Flushes and pauses, so that the previous step's write-back does not land in the next phase.
@@ -1041,15 +1097,21 @@ async fn real_disk_inner(
     );
     let goal = Duration::from_micros(args.goal_us);
     let piece = Duration::from_micros(args.piece_us.unwrap_or(args.goal_us / 2).max(1));
-    let mut b = Dispatcher::builder()
-        .disk(disk)
-        .shards(args.shards)
-        .pin_threads(false)
-        .latency_goal(goal)
-        .max_cost(piece.as_nanos() as u64);
-    let fg_class = b.add_class(ClassConfig::new("foreground", args.shares.0))?;
-    let bg_class = b.add_class(ClassConfig::new("compaction", args.shares.1))?;
-    let d = Arc::new(b.build()?);
+    // One dispatcher for the iothrottle slices and an identical one for idle-disp, so that each
+    // one's stats cover its own phase.
+    let build = || -> Result<(Arc<Dispatcher>, ClassId, ClassId), BoxError> {
+        let mut b = Dispatcher::builder()
+            .disk(disk)
+            .shards(args.shards)
+            .pin_threads(false)
+            .latency_goal(goal)
+            .max_cost(piece.as_nanos() as u64);
+        let fg = b.add_class(ClassConfig::new("foreground", args.shares.0))?;
+        let bg = b.add_class(ClassConfig::new("compaction", args.shares.1))?;
+        Ok((Arc::new(b.build()?), fg, bg))
+    };
+    let (d, fg_class, bg_class) = build()?;
+    let (d_idle, _, _) = build()?;
     println!(
         "  one 4 KiB read costs {} of disk time, one {} KiB write {}; latency goal {} (capped), pieces of at most {} KiB",
         fmt_d(disk.disk_time(&IoRequest::read(READ_BYTES))),
@@ -1075,11 +1137,20 @@ async fn real_disk_inner(
         bg_bytes,
         interrupted,
     };
+    warm_up(&ctx, &d_idle, fg_class).await?;
     print_header();
     let mut rows = Vec::new();
-    let mut results = Vec::new();
-    let mut t0 = 0.0;
-    for phase in Phase::ALL {
+    let mut results: Vec<PhaseResult> = Phase::ALL.iter().map(|p| PhaseResult::empty(*p)).collect();
+    // Interleaved one-second slices, round after round, so that whatever else the machine does
+    // falls on all phases alike; the unthrottled slice last, then a pause for its write-back.
+    let order = [
+        Phase::Idle,
+        Phase::IdleDispatched,
+        Phase::Plain,
+        Phase::IoThrottle,
+        Phase::Unthrottled,
+    ];
+    for (round, phase) in (1..=args.phase_secs).flat_map(|r| order.map(|p| (r, p))) {
         let path = match phase {
             Phase::Idle | Phase::Unthrottled => Route::Direct,
             Phase::Plain => {
@@ -1090,13 +1161,26 @@ async fn real_disk_inner(
                 Route::Plain(Throttle::<Uncapped>::new(cfg)?)
             }
             Phase::IoThrottle => Route::Dispatched(d.clone(), fg_class, bg_class),
+            Phase::IdleDispatched => Route::Dispatched(d_idle.clone(), fg_class, bg_class),
         };
-        settle(&ctx, args).await?;
-        let r = run_phase(&ctx, args, phase, path, t0, &mut rows).await?;
-        t0 += args.phase_secs as f64;
-        results.push(r);
+        if phase == Phase::Idle {
+            settle(&ctx, args).await?;
+        }
+        let r = run_phase(&ctx, args, (phase, round), path, 1, &mut rows).await?;
+        let i = Phase::ALL.iter().position(|p| *p == phase).expect("listed");
+        results[i].add(&r);
     }
     d.shutdown();
+    d_idle.shutdown();
+    let stats_of = |d: &Dispatcher| {
+        let s = d.stats_blocking();
+        (
+            s.classes[fg_class.index()].clone(),
+            s.classes[bg_class.index()].clone(),
+        )
+    };
+    let (io_fg, io_bg) = stats_of(&d);
+    let (idle_fg, _) = stats_of(&d_idle);
 
     // Side by side.
     println!();
@@ -1122,16 +1206,15 @@ async fn real_disk_inner(
             fmt_d(q(&r.fg, 0.5)),
             fmt_d(q(&r.fg, 0.99)),
             fmt_d(q(&r.fg, 0.999)),
-            r.fg_iops,
-            r.bg_mb_s,
-            r.busy
+            r.fg_iops(),
+            r.bg_mb_s(),
+            r.busy()
                 .map_or("?".to_owned(), |b| format!("{:.0}%", b * 100.0)),
-            r.dispatcher
-                .as_ref()
-                .map_or("–".to_owned(), |(f, _)| format!(
-                    "fg {}",
-                    fmt_d(f.queue_wait_p99())
-                )),
+            match r.phase {
+                Phase::IoThrottle => format!("fg {}", fmt_d(io_fg.queue_wait_p99())),
+                Phase::IdleDispatched => format!("fg {}", fmt_d(idle_fg.queue_wait_p99())),
+                _ => "–".to_owned(),
+            },
         );
         if r.fg_errors + r.bg_errors > 0 {
             println!(
@@ -1140,17 +1223,21 @@ async fn real_disk_inner(
             );
         }
     }
-    if let Some(r) = results.iter().find(|r| r.phase == Phase::IoThrottle) {
-        if let Some((f, b)) = &r.dispatcher {
-            println!(
-                "iothrottle, from the dispatcher's stats: fg queue wait p99 {}, service p99 {}, end to end p99 {}; compaction pieces {} (end to end p99 {})",
-                fmt_d(f.queue_wait_p99()),
-                fmt_d(f.service_p99()),
-                fmt_d(f.latency_p99()),
+    for (name, f, b) in [
+        ("idle-disp", &idle_fg, None),
+        ("iothrottle", &io_fg, Some(&io_bg)),
+    ] {
+        println!(
+            "{name}, from the dispatcher's stats: fg queue wait p99 {}, service p99 {}, end to end p99 {}{}",
+            fmt_d(f.queue_wait_p99()),
+            fmt_d(f.service_p99()),
+            fmt_d(f.latency_p99()),
+            b.map_or(String::new(), |b| format!(
+                "; compaction pieces {} (end to end p99 {})",
                 b.requests,
-                fmt_d(b.latency_p99()),
-            );
-        }
+                fmt_d(b.latency_p99())
+            )),
+        );
     }
     let p99 = |p: Phase| {
         results
@@ -1162,7 +1249,7 @@ async fn real_disk_inner(
         results
             .iter()
             .find(|r| r.phase == p)
-            .map_or(0.0, |r| r.bg_mb_s)
+            .map_or(0.0, |r| r.bg_mb_s())
     };
     let (idle, io, plain) = (p99(Phase::Idle), p99(Phase::IoThrottle), p99(Phase::Plain));
     println!(
@@ -1192,6 +1279,7 @@ fn phase_color(p: Phase) -> plotters::style::RGBColor {
     use plotters::style::RGBColor;
     match p {
         Phase::Idle => RGBColor(44, 160, 44),
+        Phase::IdleDispatched => RGBColor(148, 103, 189),
         Phase::Unthrottled => RGBColor(214, 39, 40),
         Phase::Plain => RGBColor(255, 127, 14),
         Phase::IoThrottle => RGBColor(31, 119, 180),
@@ -1204,7 +1292,7 @@ fn plot_real(args: &Args, rows: &[Row]) -> Result<(), BoxError> {
     let root = SVGBackend::new(&args.plot, (1000, 760)).into_drawing_area();
     root.fill(&WHITE)?;
     let (top, bottom) = root.split_vertically(380);
-    let x_max = (4 * args.phase_secs) as f64;
+    let x_max = args.phase_secs as f64 + 0.5;
     let bw_max = rows.iter().map(|r| r.bg_mb_s).fold(1.0, f64::max) * 1.3;
     let lat_max = rows
         .iter()
@@ -1222,10 +1310,10 @@ fn plot_real(args: &Args, rows: &[Row]) -> Result<(), BoxError> {
         .margin(12)
         .x_label_area_size(30)
         .y_label_area_size(60)
-        .build_cartesian_2d(0.0..x_max, 0.0..bw_max)?;
+        .build_cartesian_2d(0.5..x_max, 0.0..bw_max)?;
     chart
         .configure_mesh()
-        .x_desc("seconds")
+        .x_desc("round (one second of each phase per round)")
         .y_desc("compaction MB/s")
         .draw()?;
     for p in Phase::ALL {
@@ -1254,10 +1342,10 @@ fn plot_real(args: &Args, rows: &[Row]) -> Result<(), BoxError> {
         .margin(12)
         .x_label_area_size(30)
         .y_label_area_size(60)
-        .build_cartesian_2d(0.0..x_max, 0.0..lat_max)?;
+        .build_cartesian_2d(0.5..x_max, 0.0..lat_max)?;
     chart
         .configure_mesh()
-        .x_desc("seconds")
+        .x_desc("round (one second of each phase per round)")
         .y_desc("ms")
         .draw()?;
     for p in Phase::ALL {
