@@ -86,9 +86,14 @@ struct Args {
     #[arg(long, default_value_t = 300)]
     goal_us: u64,
     /// The most disk time one compaction piece may take, microseconds (at most the goal).
-    /// Default: half the goal.
+    /// Default: half the goal, but at least one 64 KiB write's and at most the goal.
     #[arg(long)]
     piece_us: Option<u64>,
+    /// Uncapped dispatcher: the goal only sizes the burst, and requests go at the model's rate
+    /// whatever completes (Seastar's behaviour); capped (the default) bounds the disk time in
+    /// flight by completions.
+    #[arg(long)]
+    uncapped: bool,
     /// Foreground and compaction shares in the dispatcher, fg:bg.
     #[arg(long, default_value = "1000:100", value_parser = parse_shares)]
     shares: (u32, u32),
@@ -1096,7 +1101,23 @@ async fn real_disk_inner(
         disk.write_bw as f64 / 1e6
     );
     let goal = Duration::from_micros(args.goal_us);
-    let piece = Duration::from_micros(args.piece_us.unwrap_or(args.goal_us / 2).max(1));
+    // Pieces: half the goal by default, but at least one 64 KiB write (a slow disk would
+    // otherwise get tiny pieces, or none), never more than the goal.
+    let smallest = disk.disk_time(&IoRequest::write(4096));
+    if smallest > goal {
+        return Err(format!(
+            "the disk model says one 4 KiB write takes {} of disk time, more than the latency goal {}: raise --goal-us",
+            fmt_d(smallest),
+            fmt_d(goal)
+        )
+        .into());
+    }
+    let piece = match args.piece_us {
+        Some(us) => Duration::from_micros(us),
+        None => (goal / 2)
+            .max(disk.disk_time(&IoRequest::write(64 << 10)))
+            .min(goal),
+    };
     // One dispatcher for the iothrottle slices and an identical one for idle-disp, so that each
     // one's stats cover its own phase.
     let build = || -> Result<(Arc<Dispatcher>, ClassId, ClassId), BoxError> {
@@ -1105,6 +1126,7 @@ async fn real_disk_inner(
             .shards(args.shards)
             .pin_threads(false)
             .latency_goal(goal)
+            .capped(!args.uncapped)
             .max_cost(piece.as_nanos() as u64);
         let fg = b.add_class(ClassConfig::new("foreground", args.shares.0))?;
         let bg = b.add_class(ClassConfig::new("compaction", args.shares.1))?;
@@ -1113,11 +1135,12 @@ async fn real_disk_inner(
     let (d, fg_class, bg_class) = build()?;
     let (d_idle, _, _) = build()?;
     println!(
-        "  one 4 KiB read costs {} of disk time, one {} KiB write {}; latency goal {} (capped), pieces of at most {} KiB",
+        "  one 4 KiB read costs {} of disk time, one {} KiB write {}; latency goal {} ({}), pieces of at most {} KiB",
         fmt_d(disk.disk_time(&IoRequest::read(READ_BYTES))),
         args.bg_kib,
         fmt_d(disk.disk_time(&IoRequest::write(bg_bytes))),
         fmt_d(goal),
+        if args.uncapped { "uncapped" } else { "capped" },
         d.max_piece(IoKind::Write).map_or(0, |b| b / 1024),
     );
     println!(
