@@ -314,6 +314,21 @@ pub enum BuildError {
         /// Which figure.
         field: &'static str,
     },
+    /// No [`DiskModel`](crate::dispatcher::DiskModel) was given: there is no default, because
+    /// a guessed disk silently over- or under-commits the real one.
+    #[error(
+        "the dispatcher needs a disk model: measure the disk (e.g. fio or Seastar's iotune) and \
+         pass `DiskModel::new(..)`, or load an io_properties.yaml"
+    )]
+    NoDiskModel,
+    /// The latency goal is zero, or longer than a bucket can hold in tokens.
+    #[error("the latency goal must be in 1 ns..={max:?}, got {goal:?}")]
+    LatencyGoalOutOfRange {
+        /// The goal, as given.
+        goal: Duration,
+        /// The longest goal accepted.
+        max: Duration,
+    },
     /// A token amount (`max_cost` or `batch`) is 0 or above the bucket's limit.
     #[error("{what} = {value} must be in 1..={limit}")]
     TokensOutOfRange {
@@ -408,8 +423,8 @@ pub enum SubmitError {
     /// [`submit_split`](crate::dispatcher::Dispatcher::submit_split), or in pieces of at most
     /// `max_bytes` bytes.
     #[error(
-        "the request costs {cost} tokens, above the most a request may cost, {max_cost} \
-         (pieces of at most {max_bytes:?} bytes would fit)"
+        "the request costs {cost} tokens, above the most a request may cost, {max_cost}; {}",
+        too_large_hint(*.max_bytes)
     )]
     TooLarge {
         /// The request's cost in tokens.
@@ -419,6 +434,13 @@ pub enum SubmitError {
         /// The largest piece of this kind that fits, `None` if no size fits.
         max_bytes: Option<u64>,
     },
+}
+
+fn too_large_hint(max_bytes: Option<u64>) -> String {
+    match max_bytes {
+        Some(b) => format!("submit it with submit_split, or in pieces of at most {b} bytes"),
+        None => "no size of this kind fits: raise max_cost or the latency goal".to_owned(),
+    }
 }
 
 /// Why a submitted request produced no result.

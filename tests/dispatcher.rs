@@ -11,6 +11,9 @@ use iothrottle::dispatcher::{
 };
 use iothrottle::{BuildError, DispatchError, Rate, SubmitError};
 
+/// A fast NVMe drive, stated explicitly (there is no default disk).
+const NVME: DiskModel = DiskModel::new(2_000_000_000, 1_000_000_000, 400_000, 100_000);
+
 fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -20,7 +23,7 @@ fn rt() -> tokio::runtime::Runtime {
 
 #[test]
 fn submit_runs_the_future_and_returns_its_output() {
-    let mut b = Dispatcher::builder().shards(2);
+    let mut b = Dispatcher::builder().disk(NVME).shards(2);
     let c = b.add_class(ClassConfig::new("c", 100)).unwrap();
     let d = Arc::new(b.build().unwrap());
     assert_eq!(d.shards(), 2);
@@ -60,7 +63,7 @@ fn submit_runs_the_future_and_returns_its_output() {
 
 #[test]
 fn configuration_errors_are_typed() {
-    let mut b = Dispatcher::builder();
+    let mut b = Dispatcher::builder().disk(NVME);
     assert!(matches!(
         b.add_class(ClassConfig::new("zero", 0)),
         Err(BuildError::SharesOutOfRange { shares: 0, .. })
@@ -75,13 +78,13 @@ fn configuration_errors_are_typed() {
         Err(BuildError::DuplicateClass { .. })
     ));
     assert!(matches!(
-        Dispatcher::builder().shards(1).build(),
+        Dispatcher::builder().disk(NVME).shards(1).build(),
         Err(BuildError::NoClasses)
     ));
     // The chaining form checks the classes at build.
     let chained = |cfgs: &[(&str, u32)]| {
         cfgs.iter()
-            .fold(Dispatcher::builder().shards(1), |b, (n, s)| {
+            .fold(Dispatcher::builder().disk(NVME).shards(1), |b, (n, s)| {
                 b.class(ClassConfig::new(*n, *s))
             })
             .build()
@@ -96,6 +99,7 @@ fn configuration_errors_are_typed() {
     ));
     assert!(matches!(
         Dispatcher::builder()
+            .disk(NVME)
             .class(ClassConfig::new("c", 1).with_bandwidth_cap(0))
             .build(),
         Err(BuildError::ZeroBandwidthCap { .. })
@@ -110,7 +114,7 @@ fn configuration_errors_are_typed() {
         b
     };
     assert!(matches!(
-        with_class(Dispatcher::builder().shards(0)).build(),
+        with_class(Dispatcher::builder().disk(NVME).shards(0)).build(),
         Err(BuildError::ZeroShards)
     ));
     assert!(matches!(
@@ -118,18 +122,18 @@ fn configuration_errors_are_typed() {
         Err(BuildError::ZeroDiskFigure { field: "read_iops" })
     ));
     assert!(matches!(
-        with_class(Dispatcher::builder().limit(100).batch(101)).build(),
+        with_class(Dispatcher::builder().disk(NVME).limit(100).batch(101)).build(),
         Err(BuildError::TokensOutOfRange { what: "batch", .. })
     ));
     assert!(matches!(
-        with_class(Dispatcher::builder().rate(Rate::per_second(0))).build(),
+        with_class(Dispatcher::builder().disk(NVME).rate(Rate::per_second(0))).build(),
         Err(BuildError::Bucket(_))
     ));
 }
 
 #[test]
 fn oversized_requests_are_split_or_refused() {
-    let mut b = Dispatcher::builder().shards(1);
+    let mut b = Dispatcher::builder().disk(NVME).shards(1);
     let c = b.add_class(ClassConfig::new("c", 100)).unwrap();
     let d = b.build().unwrap();
     let big = IoRequest::write(64 << 20);
@@ -167,7 +171,7 @@ fn oversized_requests_are_split_or_refused() {
         assert!(d.cost(&IoRequest::write(w[0].end - w[0].start)) <= d.max_cost());
     }
     // A class id of another dispatcher with more classes.
-    let mut other = Dispatcher::builder().shards(1);
+    let mut other = Dispatcher::builder().disk(NVME).shards(1);
     let mut last = c;
     for i in 0..8 {
         last = other
@@ -187,6 +191,7 @@ fn oversized_requests_are_split_or_refused() {
 /// A slow dispatcher: 1000 tokens per second, requests of 100 tokens (10 per second).
 fn slow(shards: usize, capped: bool) -> (Dispatcher, ClassId) {
     let mut b = Dispatcher::builder()
+        .disk(NVME)
         .shards(shards)
         .rate(Rate::per_second(1000))
         .limit(100)
@@ -317,6 +322,7 @@ fn capped_mode_releases_every_completion() {
     // Limit 100, requests of 50, one after the other: 400 requests need 200 limits' worth of
     // releases. A leak of even one request's tokens per 2 would stall it.
     let mut b = Dispatcher::builder()
+        .disk(NVME)
         .shards(2)
         .rate(Rate::per_second(1_000_000))
         .limit(100)
@@ -497,6 +503,7 @@ fn stress_capped_release_churn() {
 /// the others off. Afterwards every grabbed token must have been released or refunded.
 fn churn(shards: usize, classes: usize, requests: u64, seed: u64) {
     let mut b = Dispatcher::builder()
+        .disk(NVME)
         .shards(shards)
         .rate(Rate::per_second(50_000_000))
         .limit(1_000_000)
@@ -590,6 +597,7 @@ fn too_many_shards_is_a_typed_error_and_more_than_the_cores_a_warning() {
     let build = |n: usize| {
         Dispatcher::builder()
             .shards(n)
+            .disk(NVME)
             .class(ClassConfig::new("c", 1))
             .build()
     };
@@ -643,6 +651,7 @@ fn finishes<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'stati
 fn set_rate_reaches_a_request_already_waiting() {
     let d = Dispatcher::builder()
         .shards(2)
+        .disk(NVME)
         .rate(Rate::new(1, std::time::Duration::from_secs(1000)))
         .limit(2)
         .threshold(1)
@@ -682,12 +691,14 @@ fn runtime_control_errors_are_typed() {
     use iothrottle::error::ControlError;
     let d = Dispatcher::builder()
         .shards(1)
+        .disk(NVME)
         .class(ClassConfig::new("c", 10).with_bandwidth_cap(1 << 20))
         .build()
         .unwrap();
     let c = d.class_id("c").unwrap();
     let other = Dispatcher::builder()
         .shards(1)
+        .disk(NVME)
         .class(ClassConfig::new("a", 1))
         .class(ClassConfig::new("b", 1))
         .build()
@@ -754,6 +765,7 @@ impl Drop for PanicOnDrop {
 fn a_future_whose_drop_panics_does_not_kill_its_shard() {
     let d = Dispatcher::builder()
         .shards(2)
+        .disk(NVME)
         .rate(Rate::per_second(1000))
         .limit(100)
         .threshold(1)
@@ -814,6 +826,7 @@ fn blocked_on(
 ) {
     let d = Dispatcher::builder()
         .shards(1)
+        .disk(NVME)
         .class(ClassConfig::new("c", 1))
         .build()
         .unwrap();
@@ -886,4 +899,92 @@ fn shutdown_timeout_bounds_the_wait() {
         d.shutdown_timeout(std::time::Duration::from_secs(60)),
         Ok(())
     );
+}
+
+/// Regression: `DiskModel::default()` silently assumed an NVMe drive about 4× faster than this
+/// project's disk, and a builder without a disk used it. A disk model is now required.
+#[test]
+fn build_without_a_disk_model_is_a_typed_error() {
+    let mut b = Dispatcher::builder().shards(1);
+    b.add_class(ClassConfig::new("c", 1)).unwrap();
+    let err = b.build().unwrap_err();
+    assert!(matches!(err, BuildError::NoDiskModel), "{err:?}");
+    assert!(err.to_string().contains("disk model"), "{err}");
+    let mut b = Dispatcher::builder()
+        .shards(1)
+        .disk(NVME)
+        .latency_goal(std::time::Duration::ZERO);
+    b.add_class(ClassConfig::new("c", 1)).unwrap();
+    assert!(matches!(
+        b.build(),
+        Err(BuildError::LatencyGoalOutOfRange { .. })
+    ));
+}
+
+/// Regression: at default settings a 1 MiB write was refused (`TooLarge`) and split pieces were
+/// cut at arbitrary bytes. Now `submit_split` cuts it into 4 KiB-aligned pieces within the
+/// latency goal that add up to the request, and `submit`'s error says what fits.
+#[test]
+fn a_one_mib_write_at_default_settings_splits_into_aligned_pieces() {
+    // A disk like this project's virtio disk: 1 MiB is ~1.6 ms of disk time, over the goal.
+    let disk = DiskModel::new(400_000_000, 700_000_000, 20_000, 20_000);
+    let mut b = Dispatcher::builder().disk(disk).shards(2);
+    let c = b.add_class(ClassConfig::new("c", 100)).unwrap();
+    let d = b.build().unwrap();
+    assert_eq!(d.latency_goal(), DispatcherBuilder::DEFAULT_LATENCY_GOAL);
+    assert!(d.is_capped());
+    let write = IoRequest::write(1 << 20);
+    let err = d.submit(c, write, async {}).unwrap_err();
+    assert!(err.to_string().contains("submit_split"), "{err}");
+    assert!(!err.to_string().contains("Some("), "{err}");
+    let h = d
+        .submit_split(c, write, |p| async move { p.range })
+        .unwrap();
+    let ranges = rt().block_on(h).unwrap();
+    assert!(ranges.len() >= 2);
+    let max = d.max_piece(iothrottle::dispatcher::IoKind::Write).unwrap();
+    let mut at = 0;
+    for r in &ranges {
+        assert_eq!(r.start, at);
+        assert_eq!(r.start % 4096, 0, "{r:?}");
+        assert!(r.end - r.start <= max);
+        assert!(d.cost(&IoRequest::write(r.end - r.start)) <= d.max_cost());
+        at = r.end;
+    }
+    assert_eq!(at, 1 << 20);
+    d.shutdown();
+    // Everything completed and was released: the capped bucket is whole again.
+    let s = d.bucket_state();
+    assert_eq!(s.ceil.unwrap().wrapping_sub(s.tail), d.limit());
+}
+
+/// Real threads record service time (dispatch → completion) and end-to-end latency
+/// (submission → completion) per class, besides the queue wait.
+#[test]
+fn stats_report_service_time_and_end_to_end_latency() {
+    let mut b = Dispatcher::builder().disk(NVME).shards(1);
+    let c = b.add_class(ClassConfig::new("c", 100)).unwrap();
+    let d = b.build().unwrap();
+    let rt = rt();
+    let nap = std::time::Duration::from_millis(3);
+    for _ in 0..5 {
+        let h = d
+            .submit(c, IoRequest::read(4096), async move {
+                tokio::time::sleep(nap).await;
+            })
+            .unwrap();
+        rt.block_on(h).unwrap();
+    }
+    let s = d.stats_blocking();
+    let c = &s.classes[c.index()];
+    assert_eq!(
+        (c.requests, c.completed, c.in_flight, c.queued),
+        (5, 5, 0, 0)
+    );
+    // A sleep never ends early; the histograms are within 1%.
+    let floor = nap.mul_f64(0.99);
+    assert!(c.service_p50() >= floor, "{:?}", c.service_p50());
+    assert!(c.latency_p50() >= c.service_p50().mul_f64(0.99));
+    assert!(c.latency_max() >= c.queue_wait_max());
+    d.shutdown();
 }

@@ -28,6 +28,13 @@ fn current_thread() -> tokio::runtime::Runtime {
 fn unthrottled(shards: usize) -> (Dispatcher, ClassId) {
     let d = Dispatcher::builder()
         .shards(shards)
+        .disk(DiskModel::new(
+            2_000_000_000,
+            1_000_000_000,
+            400_000,
+            100_000,
+        ))
+        .capped(false)
         .rate(Rate::per_second(Rate::MAX_PER_SECOND))
         .limit(1 << 50)
         .threshold(1 << 20)
@@ -118,6 +125,7 @@ fn queue_depth_one(c: &mut Criterion) {
                 1_000_000,
                 1_000_000,
             ))
+            .capped(false)
             .limit(1_000_000)
             .class(ClassConfig::new("c", 100));
         let d = Arc::new(b.build().unwrap());
@@ -227,6 +235,7 @@ fn fairness(c: &mut Criterion) {
         Dispatcher::builder()
             .shards(shards)
             .disk(DiskModel::new(100_000_000, 100_000_000, 10_000, 10_000))
+            .capped(false)
             .limit(25_000_000)
             .batch(500_000)
     };

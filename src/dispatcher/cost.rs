@@ -93,6 +93,11 @@ impl IoRequest {
 /// A disk's capacity: bandwidth and IOPS for reads and for writes. Turns requests into tokens
 /// of disk time.
 ///
+/// There is deliberately no `Default`: disks differ by orders of magnitude (a virtio disk, a SATA
+/// SSD, an NVMe drive), and a guessed model silently over- or under-commits the real one. A model
+/// is measured (e.g. `fio`, Seastar's `iotune`), loaded from an `io_properties.yaml`, or stated
+/// explicitly with [`new`](Self::new) or [`symmetric`](Self::symmetric).
+///
 /// Invariant (checked by [`validate`](Self::validate) and by the dispatcher's builder): all four
 /// figures are positive.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -107,14 +112,6 @@ pub struct DiskModel {
     pub write_iops: u64,
 }
 
-impl Default for DiskModel {
-    /// A middle-of-the-road NVMe drive: 2 GB/s reads, 1 GB/s writes, 400k read IOPS, 100k
-    /// write IOPS. Measure your own disk (e.g. with `fio`) and set real figures.
-    fn default() -> Self {
-        DiskModel::new(2_000_000_000, 1_000_000_000, 400_000, 100_000)
-    }
-}
-
 impl DiskModel {
     /// Tokens per second of disk time: one token is one nanosecond.
     pub const TOKENS_PER_SECOND: u64 = 1_000_000_000;
@@ -127,6 +124,17 @@ impl DiskModel {
             read_iops,
             write_iops,
         }
+    }
+
+    /// A disk that reads and writes alike: `bandwidth` bytes per second and `iops` operations
+    /// per second each way.
+    pub const fn symmetric(bandwidth: u64, iops: u64) -> Self {
+        DiskModel::new(bandwidth, bandwidth, iops, iops)
+    }
+
+    /// How long `request` keeps this disk busy, by the model (its cost in tokens, as time).
+    pub fn disk_time(&self, request: &IoRequest) -> std::time::Duration {
+        std::time::Duration::from_nanos(self.cost(request))
     }
 
     /// The rate that keeps this disk exactly busy: one second of disk time per second.
@@ -177,6 +185,14 @@ impl DiskModel {
         let b = room * bw as u128 / Self::TOKENS_PER_SECOND as u128;
         let b = u64::try_from(b).unwrap_or(u64::MAX);
         (b > 0).then_some(b)
+    }
+
+    /// The largest multiple of [`SPLIT_ALIGN`] bytes of `kind` whose cost stays within
+    /// `max_tokens`, or `None` when not even one aligned block fits.
+    pub fn max_aligned_bytes_within(&self, kind: IoKind, max_tokens: u64) -> Option<u64> {
+        let b = self.max_bytes_within(kind, max_tokens)?;
+        let aligned = b - b % SPLIT_ALIGN;
+        (aligned > 0).then_some(aligned)
     }
 
     fn figures(&self, kind: IoKind) -> (u64, u64) {
@@ -232,20 +248,33 @@ impl fmt::Debug for Piece {
     }
 }
 
-/// Splits `bytes` into consecutive pieces of at most `max` bytes (`max > 0`). An empty request
-/// is one empty piece.
+/// Split pieces start at multiples of this many bytes from the start of the request, and all but
+/// the last are a multiple of it long: with an aligned offset and buffer, every piece can be
+/// issued with `O_DIRECT` (which needs 512 B or 4 KiB alignment).
+pub const SPLIT_ALIGN: u64 = 4096;
+
+/// Splits `bytes` into consecutive pieces of at most `max` bytes (`max` a positive multiple of
+/// [`SPLIT_ALIGN`], or `u64::MAX` for one piece), as few as possible and of equal length rounded
+/// up to [`SPLIT_ALIGN`] (the last one takes the rest). An empty request is one empty piece.
 pub(crate) fn split(bytes: u64, max: u64) -> Vec<Piece> {
-    debug_assert!(max > 0);
+    debug_assert!(max == u64::MAX || (max > 0 && max.is_multiple_of(SPLIT_ALIGN)));
     if bytes == 0 {
         return vec![Piece {
             range: 0..0,
             index: 0,
         }];
     }
-    let mut out = Vec::with_capacity(bytes.div_ceil(max) as usize);
+    let n = bytes.div_ceil(max);
+    // ceil(bytes / n) <= max, and rounding up to the alignment stays <= max (a multiple of it).
+    let size = if n == 1 {
+        bytes
+    } else {
+        bytes.div_ceil(n).next_multiple_of(SPLIT_ALIGN)
+    };
+    let mut out = Vec::with_capacity(n as usize);
     let mut start = 0;
     while start < bytes {
-        let end = start.saturating_add(max).min(bytes);
+        let end = start.saturating_add(size).min(bytes);
         out.push(Piece {
             range: start..end,
             index: out.len(),
@@ -278,7 +307,7 @@ mod tests {
             d.validate(),
             Err(BuildError::ZeroDiskFigure { field: "write_bw" })
         ));
-        assert!(DiskModel::default().validate().is_ok());
+        assert!(DiskModel::symmetric(1, 1).validate().is_ok());
     }
 
     #[test]
@@ -291,10 +320,42 @@ mod tests {
 
     #[test]
     fn split_covers_the_request() {
-        let p = split(10, 4);
+        let p = split(10 << 12, 4 << 12);
         let ranges: Vec<_> = p.iter().map(|p| p.range.clone()).collect();
-        assert_eq!(ranges, vec![0..4, 4..8, 8..10]);
-        assert_eq!(split(0, 4).len(), 1);
+        // Three pieces, as even as 4 KiB blocks allow.
+        assert_eq!(
+            ranges,
+            vec![0..4 << 12, 4 << 12..8 << 12, 8 << 12..10 << 12]
+        );
+        let p = split(1 << 20, 400 << 10);
+        let lens: Vec<_> = p.iter().map(Piece::len).collect();
+        assert_eq!(lens, vec![344 << 10, 344 << 10, 336 << 10]);
+        assert_eq!(split(0, 4096).len(), 1);
+        assert_eq!(split(5000, u64::MAX).len(), 1);
+    }
+
+    /// Regression: pieces of `submit_split` used to be cut at the exact byte that fit the
+    /// budget (e.g. 524_288_000 B/s × 500 µs = 262_144 + change), so they could not be issued
+    /// with O_DIRECT. They now start at 4 KiB multiples.
+    #[test]
+    fn split_pieces_are_4k_aligned_for_o_direct() {
+        let d = DiskModel::new(300_000_000, 300_000_000, 10_000, 10_000);
+        let max = d.max_aligned_bytes_within(IoKind::Write, 500_000).unwrap();
+        assert_eq!(max % SPLIT_ALIGN, 0);
+        assert!(!d
+            .max_bytes_within(IoKind::Write, 500_000)
+            .unwrap()
+            .is_multiple_of(SPLIT_ALIGN));
+        for p in split(1 << 20, max) {
+            assert_eq!(p.range.start % SPLIT_ALIGN, 0, "{p:?}");
+            assert!(p.len() <= max);
+            assert!(d.cost(&IoRequest::write(p.len())) <= 500_000);
+        }
+        // Not even one block fits: None, not a misaligned piece.
+        assert_eq!(
+            d.max_aligned_bytes_within(IoKind::Write, 100_000 + 13_000),
+            None
+        );
     }
 
     proptest! {
@@ -315,15 +376,22 @@ mod tests {
             }
         }
 
-        /// Pieces are consecutive, non-empty, at most `max`, and cover the request exactly.
+        /// Pieces are consecutive, non-empty, at most `max`, 4 KiB-aligned (start, and length
+        /// of all but the last), as few as `max` allows, and cover the request exactly.
         #[test]
-        fn split_is_exact(bytes in 1u64..1_000_000, max in 1u64..100_000) {
+        fn split_is_exact_and_aligned(bytes in 1u64..100_000_000, blocks in 1u64..200) {
+            let max = blocks * SPLIT_ALIGN;
             let pieces = split(bytes, max);
+            prop_assert_eq!(pieces.len() as u64, bytes.div_ceil(max));
             let mut at = 0;
             for (i, p) in pieces.iter().enumerate() {
                 prop_assert_eq!(p.index, i);
                 prop_assert_eq!(p.range.start, at);
+                prop_assert_eq!(p.range.start % SPLIT_ALIGN, 0);
                 prop_assert!(!p.is_empty() && p.len() <= max);
+                if i + 1 < pieces.len() {
+                    prop_assert_eq!(p.len() % SPLIT_ALIGN, 0);
+                }
                 at = p.range.end;
             }
             prop_assert_eq!(at, bytes);

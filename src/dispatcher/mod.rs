@@ -8,23 +8,33 @@
 //! ```
 //! use iothrottle::dispatcher::{ClassConfig, Dispatcher, DiskModel, IoRequest};
 //!
+//! // Your disk, measured (fio, iotune) or loaded from an io_properties.yaml: 200 MB/s, 20k IOPS.
+//! let disk = DiskModel::symmetric(200_000_000, 20_000);
+//! // At most 0.75 ms of disk time in flight (the default latency goal); reads get 4× the
+//! // disk time of compaction.
 //! let dispatcher = Dispatcher::builder()
 //!     .shards(2)
-//!     .disk(DiskModel::default())
+//!     .disk(disk)
 //!     .class(ClassConfig::new("foreground", 800))
 //!     .class(ClassConfig::new("compaction", 200))
 //!     .build()?;
 //! let fg = dispatcher.class_id("foreground").ok_or("no such class")?;
 //! let bg = dispatcher.class_id("compaction").ok_or("no such class")?;
 //!
-//! let read = dispatcher.submit(fg, IoRequest::read(4096), async { 4096 })?;
-//! let write = dispatcher.submit(bg, IoRequest::write(1 << 20), async { "written" })?;
-//! let rt = tokio::runtime::Builder::new_current_thread().build()?;
+//! // The future runs on a shard once its tokens are there; the handle resolves to its output.
+//! let read = dispatcher.submit(fg, IoRequest::read(4096), async { /* pread */ 4096 })?;
+//! // 1 MiB is 5 ms of this disk's time: split into 4 KiB-aligned pieces within the goal.
+//! let write = dispatcher.submit_split(bg, IoRequest::write(1 << 20), |piece| async move {
+//!     /* pwrite piece.range */
+//!     piece.len()
+//! })?;
+//! let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
 //! assert_eq!(rt.block_on(read)?, 4096);
-//! assert_eq!(rt.block_on(write)?, "written");
+//! assert_eq!(rt.block_on(write)?.iter().sum::<u64>(), 1 << 20);
 //!
 //! let stats = dispatcher.stats_blocking();
 //! assert_eq!(stats.classes[fg.index()].requests, 1);
+//! println!("read p99 end to end: {:?}", stats.classes[fg.index()].latency_p99());
 //! dispatcher.shutdown();
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
@@ -60,7 +70,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
 use tokio::sync::oneshot;
 
 pub use class::{ClassConfig, ClassId, Priority};
-pub use cost::{DiskModel, IoKind, IoRequest, Piece};
+pub use cost::{DiskModel, IoKind, IoRequest, Piece, SPLIT_ALIGN};
 pub use handle::{IoHandle, SplitHandle};
 pub use stats::{ClassStats, DispatcherStats, ShardStats};
 
@@ -84,6 +94,8 @@ pub(crate) struct Shared {
     pub(crate) disk: DiskModel,
     /// The most tokens one request (or piece) may cost; at most the bucket's limit.
     pub(crate) max_cost: u64,
+    /// The latency goal: the disk time (tokens) the bucket's limit was sized for.
+    pub(crate) latency_goal: Duration,
     /// A shard's reservation target: the tokens it reserves at once when it has that much
     /// queued (a request costing more is reserved alone).
     pub(crate) batch: u64,
@@ -99,6 +111,9 @@ pub(crate) struct Shared {
     pub(crate) panics: AtomicU64,
     /// Counts the shard threads still running, for a bounded or async shutdown.
     pub(crate) exits: ExitLatch,
+    /// One per shard: notified when a completion gives capacity back (capped mode), so that a
+    /// shard waiting for it re-polls at once instead of at its next timed check.
+    pub(crate) released: Vec<tokio::sync::Notify>,
 }
 
 /// Counts the shard threads still running; each decrements it as it ends (even by a panic).
@@ -173,6 +188,7 @@ impl Shared {
         classes: Classes,
         disk: DiskModel,
         (max_cost, batch): (u64, u64),
+        latency_goal: Duration,
         clock: ArcClock,
         shards: usize,
     ) -> Self {
@@ -181,12 +197,14 @@ impl Shared {
             classes,
             disk,
             max_cost,
+            latency_goal,
             batch,
             clock,
             final_stats: Mutex::new(vec![None; shards]),
             control: AtomicU64::new(0),
             panics: AtomicU64::new(0),
             exits: ExitLatch::new(shards),
+            released: (0..shards).map(|_| tokio::sync::Notify::new()).collect(),
         }
     }
 
@@ -252,13 +270,17 @@ impl Shared {
 
 /// Configures and starts a [`Dispatcher`]. Made by [`Dispatcher::builder`].
 ///
-/// Defaults: one shard per available core, [`DiskModel::default`], the rate that keeps that
-/// disk exactly busy ([`DiskModel::full_rate`]), a bucket limit of 4 ms of disk time, a
-/// replenish threshold of 20 µs, reservations of 250 µs, requests of at most half the limit,
-/// uncapped, threads pinned.
+/// A [`disk`](Self::disk) model is required (there is no default disk). Defaults: one shard per
+/// available core, the rate that keeps the disk exactly busy ([`DiskModel::full_rate`]), a
+/// [latency goal](Self::latency_goal) of 0.75 ms — the bucket's limit is that much disk time
+/// and the bucket is [capped](Self::capped), so at most 0.75 ms of modelled disk time is
+/// dispatched and not yet completed — requests of at most half the goal (larger ones are split
+/// by [`Dispatcher::submit_split`]), reservations of 250 µs of disk time but at most an eighth
+/// of the limit (94 µs for the default goal), a replenish threshold of 20 µs, threads pinned.
 pub struct DispatcherBuilder {
     shards: Option<usize>,
-    disk: DiskModel,
+    disk: Option<DiskModel>,
+    latency_goal: Duration,
     rate: Rate,
     limit: Option<u64>,
     threshold: Option<u64>,
@@ -276,6 +298,7 @@ impl fmt::Debug for DispatcherBuilder {
         f.debug_struct("DispatcherBuilder")
             .field("shards", &self.shards)
             .field("disk", &self.disk)
+            .field("latency_goal", &self.latency_goal)
             .field("rate", &self.rate)
             .field("limit", &self.limit)
             .field("threshold", &self.threshold)
@@ -294,14 +317,15 @@ impl DispatcherBuilder {
     fn new() -> Self {
         DispatcherBuilder {
             shards: None,
-            disk: DiskModel::default(),
+            disk: None,
+            latency_goal: Self::DEFAULT_LATENCY_GOAL,
             rate: DiskModel::full_rate(),
             limit: None,
             threshold: None,
             max_cost: None,
             batch: None,
             idle_credit: None,
-            capped: false,
+            capped: true,
             pin: true,
             classes: Vec::new(),
             clock: Arc::new(MonotonicClock::new()),
@@ -315,9 +339,33 @@ impl DispatcherBuilder {
         self
     }
 
-    /// The disk model that turns requests into tokens.
+    /// The disk model that turns requests into tokens (required: [`build`](Self::build)
+    /// without one is [`BuildError::NoDiskModel`]).
     pub fn disk(mut self, disk: DiskModel) -> Self {
-        self.disk = disk;
+        self.disk = Some(disk);
+        self
+    }
+
+    /// The default [latency goal](Self::latency_goal): 0.75 ms, as Seastar's
+    /// `--io-latency-goal-ms` (1.5 × its 0.5 ms task quota).
+    pub const DEFAULT_LATENCY_GOAL: Duration = Duration::from_micros(750);
+
+    /// The latency goal (Seastar's io-latency-goal): how much modelled disk time may be
+    /// dispatched ahead of a newly arrived request. Default
+    /// [`DEFAULT_LATENCY_GOAL`](Self::DEFAULT_LATENCY_GOAL).
+    ///
+    /// It sets the bucket's limit to the goal's worth of tokens (one token is one nanosecond of
+    /// disk time, whatever the rate), unless [`limit`](Self::limit) is given, and the default
+    /// [`max_cost`](Self::max_cost) to half of it: larger requests are split
+    /// ([`Dispatcher::submit_split`]) so that no piece exceeds the goal. In
+    /// [capped](Self::capped) mode (the default), completions give the capacity back, so the
+    /// tokens of requests dispatched and not yet completed never exceed the limit: a new
+    /// request finds at most the goal's worth of disk time ahead of it on the disk, plus at
+    /// most one reservation per shard (a batch and one request) in the bucket.
+    ///
+    /// `1 ns..=`[`BucketConfig::MAX_LIMIT`] ns, else [`BuildError::LatencyGoalOutOfRange`].
+    pub fn latency_goal(mut self, goal: Duration) -> Self {
+        self.latency_goal = goal;
         self
     }
 
@@ -329,7 +377,8 @@ impl DispatcherBuilder {
         self
     }
 
-    /// The bucket's limit (burst) in tokens. Default: 4 ms worth at the rate.
+    /// The bucket's limit (burst) in tokens. Default: the [latency goal](Self::latency_goal)
+    /// in nanoseconds of disk time (750_000 for the default goal).
     pub fn limit(mut self, limit: u64) -> Self {
         self.limit = Some(limit);
         self
@@ -349,7 +398,8 @@ impl DispatcherBuilder {
     }
 
     /// The most one request may cost (larger ones are split by
-    /// [`Dispatcher::submit_split`] or refused). `1..=limit`; default half the limit.
+    /// [`Dispatcher::submit_split`] into 4 KiB-aligned pieces, or refused by
+    /// [`Dispatcher::submit`]). `1..=limit`; default half the limit.
     pub fn max_cost(mut self, tokens: u64) -> Self {
         self.max_cost = Some(tokens);
         self
@@ -358,7 +408,7 @@ impl DispatcherBuilder {
     /// How many tokens a shard reserves at once when it has that much queued (it reserves
     /// less when less is queued, and a request costing more alone). Smaller batches decide
     /// the order closer to dispatch (latency, fairness); larger ones grab less often.
-    /// `1..=limit`; default 250 µs worth at the rate.
+    /// `1..=limit`; default 250 µs worth at the rate, but at most an eighth of the limit.
     pub fn batch(mut self, tokens: u64) -> Self {
         self.batch = Some(tokens);
         self
@@ -371,9 +421,11 @@ impl DispatcherBuilder {
         self
     }
 
-    /// Capped release: the bucket never runs more than its limit ahead of the completions, so
-    /// the rate follows what the disk really completes. A request's tokens are released when
-    /// its future ends.
+    /// Capped release (default `true`): the bucket never runs more than its limit ahead of the
+    /// completions, so the rate follows what the disk really completes and the disk time in
+    /// flight stays within the [latency goal](Self::latency_goal). A request's tokens are
+    /// released when its future ends. Uncapped, the limit is only a burst: a disk slower than
+    /// its model accumulates a queue.
     pub fn capped(mut self, capped: bool) -> Self {
         self.capped = capped;
         self
@@ -397,10 +449,11 @@ impl DispatcherBuilder {
     /// [`build`](Self::build) (shares in `1..=1000`, a positive cap, a unique name).
     ///
     /// ```
-    /// use iothrottle::dispatcher::{ClassConfig, Dispatcher};
+    /// use iothrottle::dispatcher::{ClassConfig, Dispatcher, DiskModel};
     ///
     /// let dispatcher = Dispatcher::builder()
     ///     .shards(1)
+    ///     .disk(DiskModel::symmetric(200_000_000, 20_000))
     ///     .class(ClassConfig::new("foreground", 800))
     ///     .class(ClassConfig::new("compaction", 200))
     ///     .build()?;
@@ -469,12 +522,17 @@ impl DispatcherBuilder {
                 });
             }
         }
-        self.disk.validate()?;
+        let disk = self.disk.ok_or(BuildError::NoDiskModel)?;
+        disk.validate()?;
         self.rate.validate()?;
-        let limit = self.limit.unwrap_or_else(|| {
-            let l = self.rate.tokens_in(Duration::from_millis(4));
-            u64::try_from(l).unwrap_or(BucketConfig::MAX_LIMIT).max(1)
-        });
+        let goal_tokens = u64::try_from(self.latency_goal.as_nanos()).unwrap_or(u64::MAX);
+        if goal_tokens == 0 || goal_tokens > BucketConfig::MAX_LIMIT {
+            return Err(BuildError::LatencyGoalOutOfRange {
+                goal: self.latency_goal,
+                max: Duration::from_nanos(BucketConfig::MAX_LIMIT),
+            });
+        }
+        let limit = self.limit.unwrap_or(goal_tokens);
         let threshold = self.threshold.unwrap_or_else(|| {
             let t = self.rate.tokens_in(Duration::from_micros(20));
             u64::try_from(t).unwrap_or(u64::MAX).clamp(1, limit.max(1))
@@ -486,9 +544,14 @@ impl DispatcherBuilder {
             Budget::Uncapped(SharedTokenBucket::with_clock(config, self.clock.clone())?)
         };
         let max_cost = self.max_cost.unwrap_or((limit / 2).max(1));
+        // An eighth of the limit at most: in capped mode a reservation that does not fit in
+        // what completions left waits whole, so coarse batches would leave part of the goal's
+        // capacity unused (a third of it with batches of a third).
         let batch = self.batch.unwrap_or_else(|| {
             let b = self.rate.tokens_in(Duration::from_micros(250));
-            u64::try_from(b).unwrap_or(u64::MAX).clamp(1, limit)
+            u64::try_from(b)
+                .unwrap_or(u64::MAX)
+                .clamp(1, (limit / 8).max(1))
         });
         for (what, value) in [("max_cost", max_cost), ("batch", batch)] {
             if value == 0 || value > limit {
@@ -506,8 +569,9 @@ impl DispatcherBuilder {
         let shared = Shared::new(
             budget,
             classes,
-            self.disk,
+            disk,
             (max_cost, batch),
+            self.latency_goal,
             self.clock.clone(),
             shards,
         );
@@ -650,6 +714,21 @@ impl Dispatcher {
         self.shared.max_cost
     }
 
+    /// The latency goal the dispatcher was built with (see
+    /// [`DispatcherBuilder::latency_goal`]).
+    pub fn latency_goal(&self) -> Duration {
+        self.shared.latency_goal
+    }
+
+    /// The largest piece of `kind` that [`submit_split`](Self::submit_split) issues: a
+    /// multiple of [`SPLIT_ALIGN`] costing at most [`max_cost`](Self::max_cost), or `None`
+    /// when not even one aligned block fits.
+    pub fn max_piece(&self, kind: IoKind) -> Option<u64> {
+        self.shared
+            .disk
+            .max_aligned_bytes_within(kind, self.shared.max_cost)
+    }
+
     /// `true` in capped-release mode.
     pub fn is_capped(&self) -> bool {
         self.shared.budget.is_capped()
@@ -757,8 +836,13 @@ impl Dispatcher {
     /// tokens are there. Each piece costs at most [`max_cost`](Self::max_cost).
     /// The handle resolves to the pieces' outputs in order.
     ///
-    /// A raw token cost ([`IoRequest::tokens`]) cannot be split, nor a request whose single
-    /// operation costs more than a reservation: both are [`SubmitError::TooLarge`].
+    /// Pieces are as few as `max_cost` allows and about equal; each starts at a multiple of
+    /// [`SPLIT_ALIGN`] (4 KiB) from the request's start and all but the last are a multiple of
+    /// it long ([`max_piece`](Self::max_piece) is the longest), so that with an aligned offset
+    /// and buffer every piece can be issued with `O_DIRECT`.
+    ///
+    /// A raw token cost ([`IoRequest::tokens`]) cannot be split, nor a request of which not
+    /// even one 4 KiB block fits in `max_cost`: both are [`SubmitError::TooLarge`].
     pub fn submit_split<F, Fut>(
         &self,
         class: ClassId,
@@ -791,11 +875,7 @@ impl Dispatcher {
         let pieces = match request.kind() {
             _ if cost <= self.shared.max_cost => cost::split(request.bytes(), u64::MAX),
             None => return Err(self.too_large(&request, cost)),
-            Some(kind) => match self
-                .shared
-                .disk
-                .max_bytes_within(kind, self.shared.max_cost)
-            {
+            Some(kind) => match self.max_piece(kind) {
                 Some(max) => cost::split(request.bytes(), max),
                 None => return Err(self.too_large(&request, cost)),
             },
@@ -936,8 +1016,11 @@ impl Dispatcher {
                 .iter()
                 .enumerate()
                 .map(|(i, c)| {
-                    stats::ClassRecorder::new()
-                        .snapshot(c.config.name(), self.shared.classes.shares(i))
+                    stats::ClassRecorder::new().snapshot(
+                        c.config.name(),
+                        self.shared.classes.shares(i),
+                        0,
+                    )
                 })
                 .collect(),
         })

@@ -139,6 +139,11 @@ impl<P: Payload> Queues<P> {
         }
     }
 
+    /// Requests of class `c` queued.
+    pub(crate) fn class_len(&self, c: usize) -> usize {
+        self.classes.get(c).map_or(0, |q| q.entries.len())
+    }
+
     /// Queues `entry` at the back of its class.
     pub(crate) fn push(&mut self, shared: &Classes, entry: Entry<P>) {
         let c = entry.class;

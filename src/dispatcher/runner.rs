@@ -6,7 +6,7 @@
 //! state on the hot path is the bucket and the classes' fairness counters.
 
 use std::cell::{Cell, RefCell};
-use std::rc::Rc;
+use std::rc::{Rc, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -80,12 +80,17 @@ struct InFlight {
     count: Cell<usize>,
     idle: Notify,
     shared: Arc<Shared>,
+    /// The shard's core, to record completions in its stats (gone once the shard stopped).
+    core: Weak<RefCell<ShardCore<BoxTask>>>,
 }
 
 /// Held by a running request: when dropped (the future ended, or was torn down), its tokens are
 /// released (capped mode) and the shard's in-flight count drops.
 pub(crate) struct Completion {
     cost: u64,
+    class: usize,
+    /// When the request was submitted and dispatched, on the dispatcher's clock.
+    times: (Duration, Duration),
     inflight: Rc<InFlight>,
 }
 
@@ -119,7 +124,22 @@ impl Drop for Exit {
 
 impl Drop for Completion {
     fn drop(&mut self) {
-        self.inflight.shared.budget.release(self.cost);
+        let shared = &self.inflight.shared;
+        shared.budget.release(self.cost);
+        if shared.budget.is_capped() {
+            // Capacity came back: wake the shards that wait for it (every shard shares it).
+            for n in &shared.released {
+                n.notify_one();
+            }
+        }
+        if let Some(core) = self.inflight.core.upgrade() {
+            // Completions run in the shard's tasks, never inside the loop's own borrow; should
+            // one ever overlap, the sample is skipped rather than panicking.
+            if let Ok(mut core) = core.try_borrow_mut() {
+                let now = self.inflight.shared.clock.now();
+                core.completed(self.class, self.cost, self.times, now);
+            }
+        }
         let n = self.inflight.count.get() - 1;
         self.inflight.count.set(n);
         if n == 0 {
@@ -168,11 +188,15 @@ async fn run(
     mut rx: UnboundedReceiver<Msg>,
     (timer, timer_thread): Timer,
 ) {
-    let core = RefCell::new(ShardCore::<BoxTask>::new(shared.clone(), index));
+    let core = Rc::new(RefCell::new(ShardCore::<BoxTask>::new(
+        shared.clone(),
+        index,
+    )));
     let inflight = Rc::new(InFlight {
         count: Cell::new(0),
         idle: Notify::new(),
         shared: shared.clone(),
+        core: Rc::downgrade(&core),
     });
     let mut closing: Option<ShutdownMode> = None;
     let mut open = true;
@@ -220,6 +244,8 @@ async fn run(
             inflight.count.set(inflight.count.get() + 1);
             let done = Completion {
                 cost: e.cost,
+                class: e.class,
+                times: (e.submitted, now),
                 inflight: inflight.clone(),
             };
             e.payload.spawn_local(done);
@@ -255,6 +281,7 @@ async fn run(
                         }
                     },
                     _ = timer.notify(index).notified() => {}
+                    _ = shared.released[index].notified() => {}
                     _ = tokio::time::sleep(d + FINE_BELOW) => {}
                 }
                 timer.disarm(index);
@@ -269,6 +296,7 @@ async fn run(
                             closing = Some(ShutdownMode::Cancel);
                         }
                     },
+                    _ = shared.released[index].notified() => {}
                     _ = tokio::time::sleep(d.max(Duration::from_nanos(1))) => {}
                 }
             }

@@ -183,13 +183,41 @@ impl<P: Payload> ShardCore<P> {
         out
     }
 
+    /// A dispatched request of `class` costing `cost` ended at `now`: records its service time
+    /// (since `dispatched`) and end-to-end latency (since `submitted`).
+    pub(crate) fn completed(
+        &mut self,
+        class: usize,
+        cost: u64,
+        (submitted, dispatched): (Duration, Duration),
+        now: Duration,
+    ) {
+        if let Some(rec) = self.stats.get_mut(class) {
+            rec.completed(
+                cost,
+                now.saturating_sub(dispatched),
+                now.saturating_sub(submitted),
+            );
+        }
+    }
+
     /// A copy of this shard's per-class figures.
     pub(crate) fn stats(&self) -> Vec<ClassStats> {
+        let mut queued = vec![0u64; self.stats.len()];
+        for (c, q) in queued.iter_mut().enumerate() {
+            *q = self.queues.class_len(c) as u64;
+        }
+        if let Some(res) = &self.reservation {
+            for e in &res.entries {
+                queued[e.class] += 1;
+            }
+        }
         self.stats
             .iter()
             .zip(self.shared.classes.iter())
             .enumerate()
-            .map(|(i, (r, c))| r.snapshot(c.config.name(), self.shared.classes.shares(i)))
+            .zip(queued)
+            .map(|((i, (r, c)), q)| r.snapshot(c.config.name(), self.shared.classes.shares(i), q))
             .collect()
     }
 }
