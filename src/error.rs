@@ -271,6 +271,12 @@ pub enum BuildError {
         /// The class's name.
         class: String,
     },
+    /// A latency target of zero.
+    #[error("class {class:?}: a latency target must be positive")]
+    ZeroLatencyTarget {
+        /// The class's name.
+        class: String,
+    },
     /// A [`DiskModel`](crate::dispatcher::DiskModel) figure is zero.
     #[error("the disk model's {field} must be positive")]
     ZeroDiskFigure {

@@ -86,6 +86,9 @@ struct InFlight {
 /// released (capped mode) and the shard's in-flight count drops.
 pub(crate) struct Completion {
     cost: u64,
+    /// The request's class and submission time (latency-target mode samples them).
+    class: usize,
+    submitted: Duration,
     inflight: Rc<InFlight>,
 }
 
@@ -119,6 +122,11 @@ impl Drop for Exit {
 
 impl Drop for Completion {
     fn drop(&mut self) {
+        let shared = &self.inflight.shared;
+        if let Some(lc) = shared.classes.latency() {
+            let latency = shared.clock.now().saturating_sub(self.submitted);
+            lc.record(self.class, latency);
+        }
         self.inflight.shared.budget.release(self.cost);
         let n = self.inflight.count.get() - 1;
         self.inflight.count.set(n);
@@ -220,6 +228,8 @@ async fn run(
             inflight.count.set(inflight.count.get() + 1);
             let done = Completion {
                 cost: e.cost,
+                class: e.class,
+                submitted: e.submitted,
                 inflight: inflight.clone(),
             };
             e.payload.spawn_local(done);
