@@ -6,7 +6,7 @@ mod common;
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use common::pg::{cluster_or_skip, PgCluster};
+use common::pg::{cluster_or_skip, cluster_with_settings_or_skip, PgCluster};
 use iothrottle::pg::{Isolation, PgKeyedLimiter, PgOptions, RetryPolicy, MAX_KEY_BYTES};
 use iothrottle::PgLimitError;
 use tokio_postgres::NoTls;
@@ -575,5 +575,27 @@ async fn refill_under_steady_load_4_workers_10s() {
     assert!(
         got_ref <= 121,
         "the reference's refill rounds to zero: got {got_ref}"
+    );
+}
+
+/// Issue 11, defect 2 for the limiter: "durable by default" held only when the server had
+/// `synchronous_commit` on. The session now turns it on itself (and off when asked to).
+#[tokio::test]
+async fn durable_commits_do_not_depend_on_the_server_setting() {
+    let Some(pg) = cluster_with_settings_or_skip(
+        "durable_commits_do_not_depend_on_the_server_setting",
+        &[("synchronous_commit", "off")],
+    ) else {
+        return;
+    };
+    let durable = limiter(&pg, PgOptions::new()).await;
+    assert_eq!(
+        durable.session_setting("synchronous_commit").await.unwrap(),
+        "on"
+    );
+    let fast = limiter(&pg, PgOptions::new().with_synchronous_commit(false)).await;
+    assert_eq!(
+        fast.session_setting("synchronous_commit").await.unwrap(),
+        "off"
     );
 }

@@ -87,10 +87,18 @@ impl Conn {
         // plan_cache_mode: the limiter's statements have one good plan (a primary-key probe);
         // left to `auto`, the server keeps re-planning the upsert for every call (custom
         // plans), which costs about as much as running it.
-        let sync = if self.options.synchronous_commit {
-            ""
-        } else {
+        // synchronous_commit: `false` turns it off for this session; `true` makes sure it is
+        // not off (the server, database or role may have it off), keeping a stronger
+        // `remote_*` setting when there is one.
+        let sync = if !self.options.synchronous_commit {
             "SET synchronous_commit TO off;"
+        } else {
+            let row = client.query_one("SHOW synchronous_commit", &[]).await?;
+            if row.get::<_, &str>(0) == "off" {
+                "SET synchronous_commit TO on;"
+            } else {
+                ""
+            }
         };
         client
             .batch_execute(&format!(

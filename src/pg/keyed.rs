@@ -331,6 +331,20 @@ impl PgKeyedLimiter {
             .await
     }
 
+    /// The value of a setting in the limiter's own session (`current_setting(name)`), e.g.
+    /// `"synchronous_commit"`: what its statements actually run with.
+    pub async fn session_setting(&self, name: &str) -> Result<String, PgLimitError> {
+        self.conn
+            .run(|live| async move {
+                let row = live
+                    .client
+                    .query_one("SELECT current_setting($1)", &[&name])
+                    .await?;
+                Ok(row.get(0))
+            })
+            .await
+    }
+
     /// The counters: calls, retries, connections.
     pub fn stats(&self) -> PgStats {
         self.conn.stats.snapshot()

@@ -91,8 +91,8 @@ impl Default for PgOptions {
 }
 
 impl PgOptions {
-    /// Schema `iothrottle`, READ COMMITTED, `synchronous_commit` as the server has it, the
-    /// default [`RetryPolicy`].
+    /// Schema `iothrottle`, READ COMMITTED, durable commits (`synchronous_commit` at least
+    /// `local`), the default [`RetryPolicy`].
     pub fn new() -> Self {
         Self::default()
     }
@@ -111,7 +111,9 @@ impl PgOptions {
 
     /// `false` sets `synchronous_commit = off` on the limiter's session: a grant is not worth
     /// a disk flush; a server crash may forget the last few hundred milliseconds of grants
-    /// (callers may then be granted up to that many tokens again). Default `true`.
+    /// (callers may then be granted up to that many tokens again). `true` (the default) sets
+    /// it `on` when the server, database or role has it `off`, so that a grant the server
+    /// acknowledged survives a server crash; a stronger `remote_*` setting is kept.
     pub fn with_synchronous_commit(mut self, on: bool) -> Self {
         self.synchronous_commit = on;
         self
