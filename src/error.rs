@@ -476,6 +476,24 @@ pub enum PgLimitError {
         #[source]
         source: tokio_postgres::Error,
     },
+    /// A call took longer than its timeout; its outcome is unknown, and its connection was
+    /// dropped (the next call reconnects).
+    #[error("the call took longer than {after:?} (the outcome is unknown)")]
+    TimedOut {
+        /// The timeout.
+        after: std::time::Duration,
+    },
+    /// The server could not be reached a moment ago; calls fail at once until the reconnect
+    /// back-off has passed.
+    #[error(
+        "PostgreSQL unavailable, next connection attempt in {retry_in:?}; last failure: {why}"
+    )]
+    Unavailable {
+        /// When the next connection attempt will be made.
+        retry_in: std::time::Duration,
+        /// The last connection failure, as text (SQLSTATE and message, or the socket error).
+        why: String,
+    },
     /// Any other error from the server, with its SQLSTATE.
     #[error("PostgreSQL error {}", pg_error_text(.source))]
     Db {

@@ -26,6 +26,11 @@ async fn client(pg: &PgCluster) -> tokio_postgres::Client {
 /// The pid of the limiter's session once it waits for a lock.
 async fn waiting_backend(c: &tokio_postgres::Client) -> i32 {
     loop {
+        // Inside the blocker's transaction the activity view is a snapshot taken once per
+        // transaction: drop it, or a first look taken too early is seen forever.
+        c.execute("SELECT pg_stat_clear_snapshot()", &[])
+            .await
+            .unwrap();
         let row = c
             .query_opt(
                 "SELECT pid FROM pg_stat_activity WHERE application_name = 'iothrottle' \
@@ -173,4 +178,124 @@ async fn server_stopped_under_load_errors_say_why() {
         all.iter().any(|e| e.contains("57P01")),
         "a call in flight saw the shutdown: {all:#?}"
     );
+}
+
+/// Per-call timeouts: a call stuck on a row lock fails with `TimedOut` after its timeout
+/// (whatever the server does), and the next call runs on a fresh session.
+#[tokio::test]
+async fn a_stuck_call_times_out_and_the_next_one_reconnects() {
+    let Some(pg) = cluster_or_skip("a_stuck_call_times_out_and_the_next_one_reconnects") else {
+        return;
+    };
+    let opts = PgOptions::new()
+        .with_connections(1)
+        .with_call_timeout(Some(Duration::from_millis(200)));
+    let l = PgKeyedLimiter::connect(&pg.connection_string(), opts)
+        .await
+        .unwrap();
+    l.install().await.unwrap();
+    l.request_n_at("k", 1, 100, 1, t0()).await.unwrap();
+    let blocker = client(&pg).await;
+    blocker
+        .batch_execute("BEGIN; UPDATE iothrottle.token_bucket SET granted = 0 WHERE id = 'k'")
+        .await
+        .unwrap();
+    let err = l.request_n_at("k", 1, 100, 1, t0()).await.unwrap_err();
+    assert!(
+        matches!(err, PgLimitError::TimedOut { after } if after == Duration::from_millis(200)),
+        "{err:?}"
+    );
+    // The limiter asked the server to cancel the stuck statement: it stops waiting.
+    loop {
+        blocker
+            .execute("SELECT pg_stat_clear_snapshot()", &[])
+            .await
+            .unwrap();
+        let waiting: i64 = blocker
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'iothrottle' \
+                 AND wait_event_type = 'Lock'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if waiting == 0 {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    blocker.batch_execute("ROLLBACK").await.unwrap();
+    // The cancelled statement took nothing; the next call runs on a new session.
+    assert_eq!(l.request_n_at("k", 1, 100, 1, t0()).await.unwrap(), 98);
+    assert_eq!(l.stats().connects, 2);
+    assert!(matches!(
+        PgKeyedLimiter::connect(
+            &pg.connection_string(),
+            PgOptions::new().with_call_timeout(Some(Duration::ZERO))
+        )
+        .await,
+        Err(PgLimitError::InvalidOption {
+            name: "call_timeout",
+            ..
+        })
+    ));
+    for n in [0, iothrottle::pg::MAX_CONNECTIONS + 1] {
+        assert!(matches!(
+            PgKeyedLimiter::connect(
+                &pg.connection_string(),
+                PgOptions::new().with_connections(n)
+            )
+            .await,
+            Err(PgLimitError::InvalidOption {
+                name: "connections",
+                ..
+            })
+        ));
+    }
+}
+
+/// Reconnecting backs off: while the server is down, a failed connect makes the calls of the
+/// next moment fail at once with `Unavailable` (saying why), instead of each trying again.
+#[tokio::test]
+async fn reconnecting_backs_off_and_says_why() {
+    let Some(mut pg) = cluster_or_skip("reconnecting_backs_off_and_says_why") else {
+        return;
+    };
+    let l = PgKeyedLimiter::connect(
+        &pg.connection_string(),
+        PgOptions::new().with_connections(1),
+    )
+    .await
+    .unwrap();
+    l.install().await.unwrap();
+    l.request("k", 10, 10).await.unwrap();
+    pg.stop();
+    // The call that finds the session gone, then the connect that is refused.
+    let mut errors = Vec::new();
+    let unavailable = loop {
+        match l.request("k", 10, 10).await {
+            Err(e @ PgLimitError::Unavailable { .. }) => break e,
+            Err(e) => errors.push(e.to_string()),
+            Ok(_) => panic!("the server is down"),
+        }
+        assert!(errors.len() < 10, "{errors:#?}");
+    };
+    let text = unavailable.to_string();
+    assert!(text.to_lowercase().contains("refused"), "{text}");
+    match unavailable {
+        PgLimitError::Unavailable { retry_in, .. } => {
+            assert!(retry_in > Duration::ZERO && retry_in <= Duration::from_secs(2))
+        }
+        _ => unreachable!(),
+    }
+    pg.start_again().unwrap();
+    // Back once the back-off has passed.
+    loop {
+        match l.request("k", 10, 10).await {
+            Ok(_) => break,
+            Err(PgLimitError::Unavailable { retry_in, .. }) => tokio::time::sleep(retry_in).await,
+            Err(e) => panic!("after the restart: {e}"),
+        }
+    }
 }

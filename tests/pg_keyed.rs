@@ -382,6 +382,11 @@ async fn hold_row_lock(pg: &PgCluster, id: &str) -> tokio_postgres::Client {
 /// Waits until a session of the limiter waits for a lock; returns its pid.
 async fn waiting_backend(c: &tokio_postgres::Client) -> i32 {
     loop {
+        // Inside the blocker's transaction the activity view is a snapshot taken once per
+        // transaction: drop it, or a first look taken too early is seen forever.
+        c.execute("SELECT pg_stat_clear_snapshot()", &[])
+            .await
+            .unwrap();
         let row = c
             .query_opt(
                 "SELECT pid FROM pg_stat_activity WHERE application_name = 'iothrottle' \
@@ -453,7 +458,8 @@ async fn killed_connection_is_a_typed_error_then_reconnects() {
     let Some(pg) = cluster_or_skip("killed_connection_is_a_typed_error_then_reconnects") else {
         return;
     };
-    let l = limiter(&pg, PgOptions::new()).await;
+    // One session, so that the connect count below is that session's.
+    let l = limiter(&pg, PgOptions::new().with_connections(1)).await;
     l.request_n_at("k", 1, 100, 1, t0()).await.unwrap();
     let blocker = hold_row_lock(&pg, "k").await;
     let (res, ()) = tokio::join!(l.request_n_at("k", 1, 100, 1, t0()), async {

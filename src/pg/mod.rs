@@ -39,6 +39,9 @@ use crate::error::PgLimitError;
 /// [`PgLimitError::KeyTooLong`]; the tables enforce the same limit with a `CHECK`.
 pub const MAX_KEY_BYTES: usize = 256;
 
+/// The most server sessions one limiter opens ([`PgOptions::with_connections`]).
+pub const MAX_CONNECTIONS: usize = 64;
+
 /// The largest bucket, in tokens: `window × rate` (or the burst) must not exceed it, so that
 /// the micro-token arithmetic (`tokens × 10^6` in a `bigint`) never overflows.
 pub const MAX_CAPACITY: i64 = (1 << 61) / 1_000_000;
@@ -77,6 +80,8 @@ pub struct PgOptions {
     isolation: Isolation,
     synchronous_commit: bool,
     retry: RetryPolicy,
+    connections: usize,
+    call_timeout: Option<std::time::Duration>,
 }
 
 impl Default for PgOptions {
@@ -86,6 +91,8 @@ impl Default for PgOptions {
             isolation: Isolation::ReadCommitted,
             synchronous_commit: true,
             retry: RetryPolicy::default(),
+            connections: 4,
+            call_timeout: Some(std::time::Duration::from_secs(30)),
         }
     }
 }
@@ -123,6 +130,47 @@ impl PgOptions {
     pub fn with_retry(mut self, retry: RetryPolicy) -> Self {
         self.retry = retry;
         self
+    }
+
+    /// Server sessions per strict or leased limiter (default 4; 1 to
+    /// [`MAX_CONNECTIONS`]): each key always uses the same one, so different keys' statements
+    /// and their commits run in parallel. Opened on first use (the first one at connect).
+    /// Values outside the range are refused at connect with
+    /// [`InvalidOption`](PgLimitError::InvalidOption).
+    pub fn with_connections(mut self, n: usize) -> Self {
+        self.connections = n;
+        self
+    }
+
+    /// Fails a call that takes longer than `timeout` (retries and reconnecting included) with
+    /// [`TimedOut`](PgLimitError::TimedOut) and drops its connection; `None`: no limit.
+    /// Default 30 s.
+    pub fn with_call_timeout(mut self, timeout: Option<std::time::Duration>) -> Self {
+        self.call_timeout = timeout;
+        self
+    }
+
+    /// Server sessions per limiter.
+    pub fn connections(&self) -> usize {
+        self.connections
+    }
+
+    /// Checks the options that can be wrong.
+    pub fn validate(&self) -> Result<(), PgLimitError> {
+        Schema::new(&self.schema)?;
+        if self.connections == 0 || self.connections > MAX_CONNECTIONS {
+            return Err(PgLimitError::InvalidOption {
+                name: "connections",
+                reason: "must be in 1..=MAX_CONNECTIONS",
+            });
+        }
+        if self.call_timeout.is_some_and(|t| t.is_zero()) {
+            return Err(PgLimitError::InvalidOption {
+                name: "call_timeout",
+                reason: "must be positive (or None for no limit)",
+            });
+        }
+        Ok(())
     }
 
     /// The schema name.
