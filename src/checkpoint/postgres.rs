@@ -1,6 +1,7 @@
 //! [`PgCheckpoint`]: snapshots in PostgreSQL, one row per named bucket, one upsert per save.
 //!
-//! Table (created if missing):
+//! Table (created by [`PgCheckpoint::install`], which needs `CREATE` on the schema; a
+//! connection also creates it when it is missing and the role may):
 //!
 //! ```sql
 //! CREATE TABLE IF NOT EXISTS iothrottle_checkpoint (
@@ -18,9 +19,13 @@
 //! )
 //! ```
 //!
-//! The upsert is a single `INSERT … ON CONFLICT (name) DO UPDATE`, committed with the server's
-//! default `synchronous_commit` (on): a save returns once the row is durable, which strict mode
-//! relies on.
+//! The upsert is a single `INSERT … ON CONFLICT (name) DO UPDATE`. A save returns once the row
+//! is durable, which strict mode relies on: every session of the store reads its
+//! `synchronous_commit` and, when the server (or the role, or the database) has it `off`, sets
+//! it `on` for itself, so the guarantee does not depend on the server's configuration.
+//!
+//! Privileges: after [`install`](PgCheckpoint::install), loading and saving need only
+//! `SELECT, INSERT, UPDATE` on the table and `USAGE` on its schema (no `CREATE`).
 
 use std::fmt;
 use std::str::FromStr;
@@ -112,32 +117,65 @@ impl PgCheckpoint {
         &self.name
     }
 
-    /// Opens a connection and creates the table if missing.
+    /// Creates the table if it is missing: run once, by a role with `CREATE` on the schema
+    /// the table resolves to (the first schema of the role's `search_path`, usually `public`).
+    /// Idempotent. Least-privilege roles then need only `USAGE` on that schema and `SELECT,
+    /// INSERT, UPDATE` on the table (see `docs/postgres.md`, "Least-privilege roles").
+    pub async fn install(&self) -> Result<(), CheckpointError> {
+        self.with_conn("create table", async move |client, _| {
+            create_table(client).await
+        })
+        .await
+    }
+
+    /// The `synchronous_commit` of the store's own session (`SHOW synchronous_commit` on the
+    /// connection saves use): never `off`, whatever the server's configuration.
+    pub async fn synchronous_commit(&self) -> Result<String, CheckpointError> {
+        self.with_conn("show", async move |client, _| {
+            let row = client
+                .query_one("SHOW synchronous_commit", &[])
+                .await
+                .map_err(pg_err("show"))?;
+            Ok(row.get(0))
+        })
+        .await
+    }
+
+    /// Opens a connection, makes its commits durable, and prepares the upsert. Creates the
+    /// table only when it is missing (so a role without `CREATE` works once it exists).
     async fn connect(&self) -> Result<(Client, Statement), CheckpointError> {
-        let pg = |op| {
-            move |e: tokio_postgres::Error| CheckpointError::Postgres {
-                op,
-                message: message(&e),
-            }
-        };
-        let (client, connection) = self.config.connect(NoTls).await.map_err(pg("connect"))?;
+        let (client, connection) = self
+            .config
+            .connect(NoTls)
+            .await
+            .map_err(pg_err("connect"))?;
         tokio::spawn(async move {
             if let Err(e) = connection.await {
                 tracing::debug!(error = %e, "postgres checkpoint connection closed");
             }
         });
-        if let Err(e) = client.batch_execute(CREATE).await {
-            // Two processes creating the table at once: one loses on the catalog's unique
-            // index; the table is there either way.
-            let raced = e.code().is_some_and(|c| {
-                *c == tokio_postgres::error::SqlState::UNIQUE_VIOLATION
-                    || *c == tokio_postgres::error::SqlState::DUPLICATE_TABLE
-            });
-            if !raced {
-                return Err(pg("create table")(e));
-            }
+        // Durable commits whatever the server, role or database says: any value but `off`
+        // waits for the local WAL flush (the stronger `remote_*` settings are kept).
+        let sync: String = client
+            .query_one("SHOW synchronous_commit", &[])
+            .await
+            .map_err(pg_err("connect"))?
+            .get(0);
+        if sync == "off" {
+            client
+                .batch_execute("SET synchronous_commit TO on")
+                .await
+                .map_err(pg_err("connect"))?;
         }
-        let upsert = client.prepare(UPSERT).await.map_err(pg("prepare"))?;
+        let exists: bool = client
+            .query_one("SELECT to_regclass($1) IS NOT NULL", &[&Self::TABLE])
+            .await
+            .map_err(pg_err("connect"))?
+            .get(0);
+        if !exists {
+            create_table(&client).await?;
+        }
+        let upsert = client.prepare(UPSERT).await.map_err(pg_err("prepare"))?;
         Ok((client, upsert))
     }
 
@@ -238,16 +276,34 @@ impl Checkpoint for PgCheckpoint {
     }
 }
 
-/// The driver's message with its causes ("error connecting to server: Connection refused").
-fn message(e: &tokio_postgres::Error) -> String {
-    let mut msg = e.to_string();
-    let mut source = std::error::Error::source(e);
-    while let Some(s) = source {
-        msg.push_str(": ");
-        msg.push_str(&s.to_string());
-        source = s.source();
+/// `CREATE TABLE IF NOT EXISTS` (needs `CREATE` on the schema, even when the table exists).
+async fn create_table(client: &Client) -> Result<(), CheckpointError> {
+    if let Err(e) = client.batch_execute(CREATE).await {
+        // Two processes creating the table at once: one loses on the catalog's unique
+        // index; the table is there either way.
+        let raced = e.code().is_some_and(|c| {
+            *c == tokio_postgres::error::SqlState::UNIQUE_VIOLATION
+                || *c == tokio_postgres::error::SqlState::DUPLICATE_TABLE
+        });
+        if !raced {
+            return Err(pg_err("create table")(e));
+        }
     }
-    msg
+    Ok(())
+}
+
+fn pg_err(op: &'static str) -> impl Fn(tokio_postgres::Error) -> CheckpointError {
+    move |e| CheckpointError::Postgres {
+        op,
+        message: message(&e),
+    }
+}
+
+/// The server's SQLSTATE and message when it sent one ("57P01 FATAL: terminating connection
+/// due to administrator command"), else the driver's message with its causes ("error
+/// connecting to server: Connection refused").
+fn message(e: &tokio_postgres::Error) -> String {
+    crate::error::pg_error_text(e)
 }
 
 impl fmt::Debug for PgCheckpoint {
