@@ -18,8 +18,10 @@
 mod common;
 
 mod capped;
+mod checkpoint_mark;
 mod fresh;
 mod grab;
 mod mixed;
 mod rate;
 mod replenish;
+mod throttle_deferred;

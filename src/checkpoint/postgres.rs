@@ -14,11 +14,14 @@
 //!     rate_tokens    bigint NOT NULL,
 //!     rate_period_ns bigint NOT NULL,
 //!     bucket_limit   bigint NOT NULL,
-//!     saved_at       timestamptz NOT NULL DEFAULT clock_timestamp()
+//!     saved_at       timestamptz NOT NULL DEFAULT clock_timestamp(),
+//!     seq            bigint NOT NULL DEFAULT 0  -- the save's sequence number (format 2)
 //! )
 //! ```
 //!
-//! The upsert is a single `INSERT … ON CONFLICT (name) DO UPDATE`, committed with the server's
+//! The upsert is a single `INSERT … ON CONFLICT (name) DO UPDATE … WHERE stored seq <= new seq`:
+//! a save never replaces a newer one, even a timed-out upsert that commits after a newer one
+//! on another connection ([`CheckpointError::Superseded`]). It is committed with the server's
 //! default `synchronous_commit` (on): a save returns once the row is durable, which strict mode
 //! relies on.
 
@@ -44,21 +47,26 @@ const CREATE: &str = "CREATE TABLE IF NOT EXISTS iothrottle_checkpoint (
     rate_tokens bigint NOT NULL,
     rate_period_ns bigint NOT NULL,
     bucket_limit bigint NOT NULL,
-    saved_at timestamptz NOT NULL DEFAULT clock_timestamp()
-)";
+    saved_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    seq bigint NOT NULL DEFAULT 0
+);
+ALTER TABLE iothrottle_checkpoint ADD COLUMN IF NOT EXISTS seq bigint NOT NULL DEFAULT 0";
 
 const UPSERT: &str = "INSERT INTO iothrottle_checkpoint
     (name, version, tail, head, ceil, reserved, wall_unix_ns, rate_tokens, rate_period_ns,
-     bucket_limit, saved_at)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, clock_timestamp())
+     bucket_limit, saved_at, seq)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, clock_timestamp(), $11)
 ON CONFLICT (name) DO UPDATE SET
     version = EXCLUDED.version, tail = EXCLUDED.tail, head = EXCLUDED.head,
     ceil = EXCLUDED.ceil, reserved = EXCLUDED.reserved, wall_unix_ns = EXCLUDED.wall_unix_ns,
     rate_tokens = EXCLUDED.rate_tokens, rate_period_ns = EXCLUDED.rate_period_ns,
-    bucket_limit = EXCLUDED.bucket_limit, saved_at = EXCLUDED.saved_at";
+    bucket_limit = EXCLUDED.bucket_limit, saved_at = EXCLUDED.saved_at, seq = EXCLUDED.seq
+WHERE iothrottle_checkpoint.seq <= EXCLUDED.seq";
+
+const STORED_SEQ: &str = "SELECT seq FROM iothrottle_checkpoint WHERE name = $1";
 
 const SELECT: &str = "SELECT version, tail, head, ceil, reserved, wall_unix_ns, rate_tokens,
-    rate_period_ns, bucket_limit FROM iothrottle_checkpoint WHERE name = $1";
+    rate_period_ns, bucket_limit, seq FROM iothrottle_checkpoint WHERE name = $1";
 
 /// A bucket's snapshot in PostgreSQL (feature `postgres`): one row per bucket name in the
 /// table [`TABLE`](Self::TABLE), one upsert per save.
@@ -175,7 +183,13 @@ impl Checkpoint for PgCheckpoint {
         let name = self.name.clone();
         self.with_conn("upsert", async move |client, upsert| {
             let period = u64::try_from(s.rate.period().as_nanos()).unwrap_or(u64::MAX);
-            client
+            let pg = |op| {
+                move |e| CheckpointError::Postgres {
+                    op,
+                    message: message(&e),
+                }
+            };
+            let updated = client
                 .execute(
                     upsert,
                     &[
@@ -189,14 +203,23 @@ impl Checkpoint for PgCheckpoint {
                         &(s.rate.tokens() as i64),
                         &(period as i64),
                         &(s.limit as i64),
+                        &(s.seq as i64),
                     ],
                 )
                 .await
-                .map(|_| ())
-                .map_err(|e| CheckpointError::Postgres {
-                    op: "upsert",
-                    message: message(&e),
-                })
+                .map_err(pg("upsert"))?;
+            if updated == 0 {
+                // The row holds a higher seq: a newer save landed first.
+                let row = client
+                    .query_one(STORED_SEQ, &[&name])
+                    .await
+                    .map_err(pg("select"))?;
+                return Err(CheckpointError::Superseded {
+                    seq: s.seq,
+                    stored: row.get::<_, i64>(0) as u64,
+                });
+            }
+            Ok(())
         })
         .await
     }
@@ -212,7 +235,7 @@ impl Checkpoint for PgCheckpoint {
             })?;
             let Some(row) = row else { return Ok(None) };
             let version: i32 = row.get(0);
-            if version != FORMAT_VERSION as i32 {
+            if !(1..=FORMAT_VERSION as i32).contains(&version) {
                 return Err(CheckpointError::UnsupportedVersion {
                     found: version as u32,
                     supported: FORMAT_VERSION,
@@ -230,6 +253,7 @@ impl Checkpoint for PgCheckpoint {
                 wall: UNIX_EPOCH + Duration::from_nanos(u(5)),
                 rate: Rate::new(u(6), Duration::from_nanos(u(7))),
                 limit: u(8),
+                seq: u(9),
             };
             snapshot.validate()?;
             Ok(Some(snapshot))
