@@ -19,7 +19,7 @@
 //!   The list itself is behind a mutex (cancellation is the rare path): a `BTreeMap` keyed by
 //!   the wrap-safe offset of each give-back's start from a base that no live start is behind,
 //!   so a give-back and each refund it unblocks cost O(log N). This protocol is
-//!   [`DeferredGiveBacks`], built on `crate::sync` only, and loom-modelled
+//!   `DeferredGiveBacks`, built on `crate::sync` only, and loom-modelled
 //!   (`loom-tests/throttle_deferred.rs`).
 //! - `granted` and `cancelled` (the [`stats`](Throttle::stats) counters): **Relaxed**
 //!   `fetch_add`, statistics that order nothing.
@@ -552,7 +552,7 @@ impl<M: Mode, C: Clock> Drop for Claim<'_, M, C> {
 
 /// Tokens granted by a [`Throttle`].
 ///
-/// In [`Capped`](crate::Capped) mode the permit stands for work in flight: dropping it (or calling
+/// In [`Capped`] mode the permit stands for work in flight: dropping it (or calling
 /// [`complete`](Self::complete)) releases exactly its tokens to the bucket's `ceil`, so that the
 /// bucket may fill again. Every permit is released exactly once, whatever happens to the work:
 /// the capped-release leak (tokens grabbed but never released) cannot happen. In [`Uncapped`]
