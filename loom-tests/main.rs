@@ -1,4 +1,6 @@
-//! Loom models of the bucket's atomic protocols, one submodule per protocol.
+//! Loom models of the crate's atomic protocols, one submodule per protocol: the bucket's, the
+//! throttle's deferred give-backs and close (`throttle_deferred`), the strict checkpoint's
+//! mark/request protocol (`checkpoint_mark`).
 //!
 //! Run with
 //! `RUSTFLAGS="--cfg iothrottle_loom" LOOM_MAX_PREEMPTIONS=2 cargo test --release --test loom`
@@ -18,8 +20,10 @@
 mod common;
 
 mod capped;
+mod checkpoint_mark;
 mod fresh;
 mod grab;
 mod mixed;
 mod rate;
 mod replenish;
+mod throttle_deferred;

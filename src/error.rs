@@ -207,6 +207,15 @@ pub enum CheckpointError {
         /// What is wrong.
         reason: &'static str,
     },
+    /// The store holds a newer save: a save never replaces a higher
+    /// [`seq`](crate::checkpoint::Snapshot::seq) (saves are totally ordered in the store).
+    #[error("checkpoint save {seq} refused: the store already holds save {stored}")]
+    Superseded {
+        /// The refused save's sequence number.
+        seq: u64,
+        /// The stored snapshot's sequence number.
+        stored: u64,
+    },
     /// The background checkpointer has stopped (its task ended or panicked).
     #[error("the checkpointer has stopped")]
     Stopped,

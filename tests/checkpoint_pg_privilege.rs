@@ -91,11 +91,15 @@ async fn pg_checkpoint_needs_no_create_privilege() {
         CheckpointConfig::default().with_interval(Duration::from_millis(20)),
     )
     .unwrap();
+    let th = iothrottle::Throttle::with_checkpoint(&b);
     let mut last = 0;
     for _ in 0..300 {
-        last = tokio::time::timeout(Duration::from_secs(30), b.acquire(1))
+        last = tokio::time::timeout(Duration::from_secs(30), th.acquire(1))
             .await
-            .expect("strict mode grants with a least-privilege role");
+            .expect("strict mode grants with a least-privilege role")
+            .expect("no error")
+            .tail()
+            .expect("a strict grant has a tail");
     }
     cp.shutdown().await.unwrap();
     let saved = PgCheckpoint::new(&app, "strict")
@@ -148,11 +152,15 @@ async fn strict_checkpoint_is_durable_when_the_server_commits_asynchronously() {
         CheckpointConfig::default().with_interval(Duration::from_millis(20)),
     )
     .unwrap();
+    let th = iothrottle::Throttle::with_checkpoint(&b);
     let mut granted_tail = 0;
     for _ in 0..2_000 {
-        granted_tail = tokio::time::timeout(Duration::from_secs(30), b.acquire(1))
+        granted_tail = tokio::time::timeout(Duration::from_secs(30), th.acquire(1))
             .await
-            .expect("strict grants");
+            .expect("strict grants")
+            .expect("no error")
+            .tail()
+            .expect("a strict grant has a tail");
     }
     // The plain store's last acknowledged save too.
     let s = snapshot_after(42);

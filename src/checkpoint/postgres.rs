@@ -15,12 +15,15 @@
 //!     rate_tokens    bigint NOT NULL,
 //!     rate_period_ns bigint NOT NULL,
 //!     bucket_limit   bigint NOT NULL,
-//!     saved_at       timestamptz NOT NULL DEFAULT clock_timestamp()
+//!     saved_at       timestamptz NOT NULL DEFAULT clock_timestamp(),
+//!     seq            bigint NOT NULL DEFAULT 0  -- the save's sequence number (format 2)
 //! )
 //! ```
 //!
-//! The upsert is a single `INSERT … ON CONFLICT (name) DO UPDATE`. A save returns once the row
-//! is durable, which strict mode relies on: every session of the store reads its
+//! The upsert is a single `INSERT … ON CONFLICT (name) DO UPDATE … WHERE stored seq <= new seq`:
+//! a save never replaces a newer one, even a timed-out upsert that commits after a newer one
+//! on another connection ([`CheckpointError::Superseded`]). A save returns once the row is
+//! durable, which strict mode relies on: every session of the store reads its
 //! `synchronous_commit` and, when the server (or the role, or the database) has it `off`, sets
 //! it `on` for itself, so the guarantee does not depend on the server's configuration.
 //!
@@ -49,21 +52,26 @@ const CREATE: &str = "CREATE TABLE IF NOT EXISTS iothrottle_checkpoint (
     rate_tokens bigint NOT NULL,
     rate_period_ns bigint NOT NULL,
     bucket_limit bigint NOT NULL,
-    saved_at timestamptz NOT NULL DEFAULT clock_timestamp()
-)";
+    saved_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    seq bigint NOT NULL DEFAULT 0
+);
+ALTER TABLE iothrottle_checkpoint ADD COLUMN IF NOT EXISTS seq bigint NOT NULL DEFAULT 0";
 
 const UPSERT: &str = "INSERT INTO iothrottle_checkpoint
     (name, version, tail, head, ceil, reserved, wall_unix_ns, rate_tokens, rate_period_ns,
-     bucket_limit, saved_at)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, clock_timestamp())
+     bucket_limit, saved_at, seq)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, clock_timestamp(), $11)
 ON CONFLICT (name) DO UPDATE SET
     version = EXCLUDED.version, tail = EXCLUDED.tail, head = EXCLUDED.head,
     ceil = EXCLUDED.ceil, reserved = EXCLUDED.reserved, wall_unix_ns = EXCLUDED.wall_unix_ns,
     rate_tokens = EXCLUDED.rate_tokens, rate_period_ns = EXCLUDED.rate_period_ns,
-    bucket_limit = EXCLUDED.bucket_limit, saved_at = EXCLUDED.saved_at";
+    bucket_limit = EXCLUDED.bucket_limit, saved_at = EXCLUDED.saved_at, seq = EXCLUDED.seq
+WHERE iothrottle_checkpoint.seq <= EXCLUDED.seq";
+
+const STORED_SEQ: &str = "SELECT seq FROM iothrottle_checkpoint WHERE name = $1";
 
 const SELECT: &str = "SELECT version, tail, head, ceil, reserved, wall_unix_ns, rate_tokens,
-    rate_period_ns, bucket_limit FROM iothrottle_checkpoint WHERE name = $1";
+    rate_period_ns, bucket_limit, seq FROM iothrottle_checkpoint WHERE name = $1";
 
 /// A bucket's snapshot in PostgreSQL (feature `postgres`): one row per bucket name in the
 /// table [`TABLE`](Self::TABLE), one upsert per save.
@@ -122,10 +130,22 @@ impl PgCheckpoint {
     /// Idempotent. Least-privilege roles then need only `USAGE` on that schema and `SELECT,
     /// INSERT, UPDATE` on the table (see `docs/postgres.md`, "Least-privilege roles").
     pub async fn install(&self) -> Result<(), CheckpointError> {
-        self.with_conn("create table", async move |client, _| {
-            create_table(client).await
+        // A connection of its own, with nothing prepared: the statements of this version may
+        // not parse against an older table until it is upgraded.
+        let result = tokio::time::timeout(self.timeout, async {
+            let client = self.open().await?;
+            create_table(&client).await
         })
         .await
+        .unwrap_or_else(|_| {
+            Err(CheckpointError::Postgres {
+                op: "create table",
+                message: format!("timed out after {:?}", self.timeout),
+            })
+        });
+        // The cached connection's statements were prepared against the old table.
+        *self.conn.lock().await = None;
+        result
     }
 
     /// The `synchronous_commit` of the store's own session (`SHOW synchronous_commit` on the
@@ -144,6 +164,21 @@ impl PgCheckpoint {
     /// Opens a connection, makes its commits durable, and prepares the upsert. Creates the
     /// table only when it is missing (so a role without `CREATE` works once it exists).
     async fn connect(&self) -> Result<(Client, Statement), CheckpointError> {
+        let client = self.open().await?;
+        let exists: bool = client
+            .query_one("SELECT to_regclass($1) IS NOT NULL", &[&Self::TABLE])
+            .await
+            .map_err(pg_err("connect"))?
+            .get(0);
+        if !exists {
+            create_table(&client).await?;
+        }
+        let upsert = client.prepare(UPSERT).await.map_err(pg_err("prepare"))?;
+        Ok((client, upsert))
+    }
+
+    /// Opens a connection whose commits are durable.
+    async fn open(&self) -> Result<Client, CheckpointError> {
         let (client, connection) = self
             .config
             .connect(NoTls)
@@ -167,16 +202,7 @@ impl PgCheckpoint {
                 .await
                 .map_err(pg_err("connect"))?;
         }
-        let exists: bool = client
-            .query_one("SELECT to_regclass($1) IS NOT NULL", &[&Self::TABLE])
-            .await
-            .map_err(pg_err("connect"))?
-            .get(0);
-        if !exists {
-            create_table(&client).await?;
-        }
-        let upsert = client.prepare(UPSERT).await.map_err(pg_err("prepare"))?;
-        Ok((client, upsert))
+        Ok(client)
     }
 
     /// Runs `op` on the (re)opened connection under the timeout; any failure drops the
@@ -213,7 +239,13 @@ impl Checkpoint for PgCheckpoint {
         let name = self.name.clone();
         self.with_conn("upsert", async move |client, upsert| {
             let period = u64::try_from(s.rate.period().as_nanos()).unwrap_or(u64::MAX);
-            client
+            let pg = |op| {
+                move |e| CheckpointError::Postgres {
+                    op,
+                    message: message(&e),
+                }
+            };
+            let updated = client
                 .execute(
                     upsert,
                     &[
@@ -227,14 +259,23 @@ impl Checkpoint for PgCheckpoint {
                         &(s.rate.tokens() as i64),
                         &(period as i64),
                         &(s.limit as i64),
+                        &(s.seq as i64),
                     ],
                 )
                 .await
-                .map(|_| ())
-                .map_err(|e| CheckpointError::Postgres {
-                    op: "upsert",
-                    message: message(&e),
-                })
+                .map_err(pg("upsert"))?;
+            if updated == 0 {
+                // The row holds a higher seq: a newer save landed first.
+                let row = client
+                    .query_one(STORED_SEQ, &[&name])
+                    .await
+                    .map_err(pg("select"))?;
+                return Err(CheckpointError::Superseded {
+                    seq: s.seq,
+                    stored: row.get::<_, i64>(0) as u64,
+                });
+            }
+            Ok(())
         })
         .await
     }
@@ -250,7 +291,7 @@ impl Checkpoint for PgCheckpoint {
             })?;
             let Some(row) = row else { return Ok(None) };
             let version: i32 = row.get(0);
-            if version != FORMAT_VERSION as i32 {
+            if !(1..=FORMAT_VERSION as i32).contains(&version) {
                 return Err(CheckpointError::UnsupportedVersion {
                     found: version as u32,
                     supported: FORMAT_VERSION,
@@ -268,6 +309,7 @@ impl Checkpoint for PgCheckpoint {
                 wall: UNIX_EPOCH + Duration::from_nanos(u(5)),
                 rate: Rate::new(u(6), Duration::from_nanos(u(7))),
                 limit: u(8),
+                seq: u(9),
             };
             snapshot.validate()?;
             Ok(Some(snapshot))
