@@ -1,6 +1,7 @@
-//! Rate changes: `set_rate` vs replenish (the replenish uses the old or the new rate, never a
-//! mix), and the two-slot seqlock of the rate (no torn rate for a reader, against one writer or
-//! two).
+//! Rate changes: `set_rate` racing replenishes (the time before the change is counted at the
+//! old rate and the time after it at the new one; the change takes effect at a clock reading
+//! inside the racing calls), and the two-slot seqlock of the regime (no torn rate for a
+//! reader, against one writer or two).
 
 use std::time::Duration;
 
@@ -27,38 +28,98 @@ fn other() -> Rate {
     Rate::new(11, Duration::from_nanos(13))
 }
 
+/// Tokens of the old rate from 0 to `ns`.
+fn c_old(ns: u64) -> u64 {
+    7 * ns / 3
+}
+
+/// Tokens of the new rate from its epoch (10 ns in these models) to `ns`.
+fn c_new(ns: u64) -> u64 {
+    5 * (ns - 10) / 2
+}
+
+/// What a final count at `end` must be if the change took effect at `c` (≥ 10).
+fn total(c: u64, end: u64) -> u64 {
+    c_old(c) + c_new(end) - c_new(c)
+}
+
 #[test]
-fn set_rate_vs_replenish_uses_old_or_new() {
+fn set_rate_vs_replenish_prices_each_side_at_its_rate() {
     loom::model(|| {
         let b = Arc::new(restored::<Uncapped>(old(), 1_000, 1, 0, None));
         let setter = {
             let b = b.clone();
             thread::spawn(move || {
-                b.set_rate(new()).unwrap();
+                let added = b.loom_set_rate_at(new(), Duration::from_nanos(10));
                 // A writer sees its own rate (there is no other writer).
                 assert_eq!(b.rate(), new());
+                check_bounds(&*b);
+                added
             })
         };
         let replenisher = {
             let b = b.clone();
             thread::spawn(move || {
-                let added = replenish_at(&*b, 10);
+                let added = replenish_at(&*b, 16);
                 check_bounds(&*b);
                 added
             })
         };
         let seen = b.rate();
         assert!(seen == old() || seen == new(), "torn rate {seen:?}");
-        setter.join().unwrap();
-        let added = replenisher.join().unwrap();
-        // 10 ns at 7/3 is 23 (remainder 1 of 3); at 5/2 it is 25 exactly. A torn rate would
-        // give 35 (7/2) or 16 (5/3).
-        assert!(added == 23 || added == 25, "{added}");
+        let s = setter.join().unwrap();
+        let r = replenisher.join().unwrap();
+        // The change closed [0, 10) at the old rate (23) and the replenish priced [10, 16) at
+        // the new one (15); or the replenish came first and counted [0, 16) at the old rate
+        // (37) or, seeing the published change, [0, 10) old + [10, 16) new (38); or it lost
+        // its CAS to the change (0).
+        let ok = [
+            (c_old(10), c_new(16)),
+            (c_old(10), 0),
+            (0, c_old(16)),
+            (0, c_old(10) + c_new(16)),
+        ];
+        assert!(ok.contains(&(s, r)), "set_rate added {s}, replenish {r}");
         assert_eq!(b.rate(), new());
-        // 3 more ns at the new rate: 7 (7.5 rounded down). The old rate's remainder is dropped
-        // (documented), and the new rate's zero remainder adds nothing either.
-        assert_eq!(replenish_at(&*b, 13), 7);
-        assert_eq!(b.snapshot().head, at(added + 7));
+        // A final count at 19: the change took effect at 10, or at the replenish's 16 when it
+        // counted its whole interval at the old rate. Nothing is re-priced beyond that.
+        let f = replenish_at(&*b, 19);
+        let change_at = if r == c_old(16) { 16 } else { 10 };
+        assert_eq!(s + r + f, total(change_at, 19), "{s} + {r} + {f}");
+        assert_eq!(b.snapshot().head, at(s + r + f));
+    });
+}
+
+#[test]
+fn regime_passes_from_replenisher_to_replenisher() {
+    loom::model(|| {
+        // set_rate at 10 ‖ replenish at 16 ‖ replenish at 20. A replenish that read the new
+        // regime and claimed up to 16 must hand it on: the one that then claims [16, 20) must
+        // price it at the new rate (c_new(20) − c_new(16) = 10), never at the old (9).
+        let b = Arc::new(restored::<Uncapped>(old(), 1_000, 1, 0, None));
+        let r16 = {
+            let b = b.clone();
+            thread::spawn(move || replenish_at(&*b, 16))
+        };
+        let r20 = {
+            let b = b.clone();
+            thread::spawn(move || replenish_at(&*b, 20))
+        };
+        let s = b.loom_set_rate_at(new(), Duration::from_nanos(10));
+        let (a16, a20) = (r16.join().unwrap(), r20.join().unwrap());
+        let saw_new_16 = a16 == c_new(16) || a16 == c_old(10) + c_new(16);
+        if saw_new_16 {
+            assert!(a20 == 0 || a20 == c_new(20) - c_new(16), "{a16} then {a20}");
+        }
+        let f = replenish_at(&*b, 23);
+        let sum = s + a16 + a20 + f;
+        // The change took effect at 10, 16 or 20 (a replenish that counted its whole interval
+        // at the old rate moves it to its own reading), never elsewhere.
+        assert!(
+            [10, 16, 20].iter().any(|&c| sum == total(c, 23)),
+            "{s} + {a16} + {a20} + {f} = {sum}"
+        );
+        check_bounds(&*b);
     });
 }
 
@@ -109,5 +170,34 @@ fn rate_two_writers_never_torn() {
         w2.join().unwrap();
         let last = b.rate();
         assert!(last == new() || last == other(), "torn rate {last:?}");
+    });
+}
+
+#[test]
+fn set_rate_closes_a_stalled_set_rate_for_it() {
+    loom::model(|| {
+        // set_rate(new) at 10 ‖ { set_rate(other) at 20; replenish at 30 }. If the first
+        // change stalls after publishing its regime, the second must close it (the regime keeps
+        // one old rate only), or every later replenish would wait for the stalled writer.
+        let b = Arc::new(restored::<Uncapped>(old(), 1_000, 1, 0, None));
+        let second = {
+            let b = b.clone();
+            thread::spawn(move || {
+                let s = b.loom_set_rate_at(other(), Duration::from_nanos(20));
+                let r = replenish_at(&*b, 30);
+                // [20, 30) is priced at `other` (8), or at `new` if the first change came after
+                // the second (it then starts at 20: 25). Never 0: nothing waits for the first
+                // writer.
+                assert!(r == 8 || r == 25, "replenish at 30 added {r}");
+                check_bounds(&*b);
+                s + r
+            })
+        };
+        let first = b.loom_set_rate_at(new(), Duration::from_nanos(10));
+        let total = first + second.join().unwrap() + replenish_at(&*b, 40);
+        // In order: old [0, 10) 23, new [10, 20) 25, other [20, 40) 16 = 64. The first change
+        // last: old [0, 20) 46, then other [20, 30) 8 and new [30, 40) 25 = 79, or new
+        // [20, 40) 50 = 96.
+        assert!([64, 79, 96].contains(&total), "{total}");
     });
 }

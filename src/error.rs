@@ -67,6 +67,43 @@ pub enum ConfigError {
     },
 }
 
+/// A string that is not a [`Rate`](crate::Rate) (see its `FromStr` for the grammar).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ParseRateError {
+    /// Not of the form `N [UNIT]/TIME` or `N per M TIME`.
+    #[error("{input:?} is not a rate: expected e.g. \"50MiB/s\", \"1000/s\" or \"7 per 3s\"")]
+    Syntax {
+        /// The string, as given.
+        input: String,
+    },
+    /// An amount or time unit that is not known.
+    #[error(
+        "unknown unit {unit:?} in the rate {input:?} (amounts: B, KiB, MiB, GiB, TiB, kB, MB, \
+         GB, TB; times: s, ms, us, ns)"
+    )]
+    UnknownUnit {
+        /// The string, as given.
+        input: String,
+        /// The unit that is not known.
+        unit: String,
+    },
+    /// The number of tokens does not fit `u64`, or the period 64-bit seconds.
+    #[error("the rate {input:?} is too large to represent")]
+    Overflow {
+        /// The string, as given.
+        input: String,
+    },
+    /// A well-formed rate that no bucket accepts (zero, or above the maximum).
+    #[error("the rate {input:?} is not accepted: {source}")]
+    Invalid {
+        /// The string, as given.
+        input: String,
+        /// Why a bucket refuses it.
+        source: ConfigError,
+    },
+}
+
 /// A time that a clock cannot take.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -169,6 +206,15 @@ pub enum CheckpointError {
     InvalidConfig {
         /// What is wrong.
         reason: &'static str,
+    },
+    /// The store holds a newer save: a save never replaces a higher
+    /// [`seq`](crate::checkpoint::Snapshot::seq) (saves are totally ordered in the store).
+    #[error("checkpoint save {seq} refused: the store already holds save {stored}")]
+    Superseded {
+        /// The refused save's sequence number.
+        seq: u64,
+        /// The stored snapshot's sequence number.
+        stored: u64,
     },
     /// The background checkpointer has stopped (its task ended or panicked).
     #[error("the checkpointer has stopped")]
@@ -510,7 +556,7 @@ pub enum PgLimitError {
         schema: String,
     },
     /// A serialization failure (40001) or deadlock (40P01) persisted through every attempt.
-    #[error("gave up after {attempts} attempts, the last failed with SQLSTATE {sqlstate}")]
+    #[error("gave up after {attempts} attempts, the last failed with {}", pg_error_text(.source))]
     RetriesExhausted {
         /// Attempts made.
         attempts: u32,
@@ -522,14 +568,35 @@ pub enum PgLimitError {
     },
     /// The connection failed or was closed while a statement was in flight. Whether that
     /// statement committed is unknown; the next call reconnects.
-    #[error("connection to PostgreSQL lost (the outcome of the call is unknown): {source}")]
+    #[error(
+        "connection to PostgreSQL lost (the outcome of the call is unknown): {}",
+        pg_error_text(.source)
+    )]
     Connection {
         /// The driver's error.
         #[source]
         source: tokio_postgres::Error,
     },
+    /// A call took longer than its timeout; its outcome is unknown, and its connection was
+    /// dropped (the next call reconnects).
+    #[error("the call took longer than {after:?} (the outcome is unknown)")]
+    TimedOut {
+        /// The timeout.
+        after: std::time::Duration,
+    },
+    /// The server could not be reached a moment ago; calls fail at once until the reconnect
+    /// back-off has passed.
+    #[error(
+        "PostgreSQL unavailable, next connection attempt in {retry_in:?}; last failure: {why}"
+    )]
+    Unavailable {
+        /// When the next connection attempt will be made.
+        retry_in: std::time::Duration,
+        /// The last connection failure, as text (SQLSTATE and message, or the socket error).
+        why: String,
+    },
     /// Any other error from the server, with its SQLSTATE.
-    #[error("PostgreSQL error {sqlstate}: {source}")]
+    #[error("PostgreSQL error {}", pg_error_text(.source))]
     Db {
         /// The SQLSTATE code (five characters), or `"?????"` when the server sent none.
         sqlstate: String,
@@ -537,4 +604,34 @@ pub enum PgLimitError {
         #[source]
         source: tokio_postgres::Error,
     },
+}
+
+/// A driver error as text for `Display`: the server's SQLSTATE, severity, message, and detail
+/// and hint when present (`57P01 FATAL: terminating connection due to administrator
+/// command`); without a server error, the driver's message and its causes (`error connecting
+/// to server: Connection refused (os error 111)`).
+#[cfg(feature = "postgres")]
+pub(crate) fn pg_error_text(e: &tokio_postgres::Error) -> String {
+    if let Some(db) = e.as_db_error() {
+        let mut s = format!("{} {}: {}", db.code().code(), db.severity(), db.message());
+        if let Some(d) = db.detail() {
+            s.push_str(" (detail: ");
+            s.push_str(d);
+            s.push(')');
+        }
+        if let Some(h) = db.hint() {
+            s.push_str(" (hint: ");
+            s.push_str(h);
+            s.push(')');
+        }
+        return s;
+    }
+    let mut s = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(c) = source {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        source = c.source();
+    }
+    s
 }

@@ -66,6 +66,7 @@ pub use bucket::{BucketConfig, BucketState, Capped, Mode, Rate, SharedTokenBucke
 pub use clock::{Clock, ManualClock, MonotonicClock, TokioClock};
 #[cfg(not(iothrottle_loom))]
 pub use dispatcher::{ClassConfig, ClassId, DiskModel, Dispatcher, IoRequest};
+pub use error::ParseRateError;
 pub use error::{
     AcquireError, BuildError, CheckpointError, ClockError, ConfigError, DispatchError, SubmitError,
     TryAcquireError,

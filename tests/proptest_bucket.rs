@@ -1,8 +1,9 @@
 //! Property tests: the real bucket against a simple sequential model in unbounded integers.
 //!
 //! The model keeps `tail`, `head` and `ceil` as `i128` offsets from where the bucket started
-//! (no wrapping), the carried remainder exactly, the rate generation, the threshold, the limit
-//! cap and the first-replenish fill. The bucket starts anywhere, including a few tokens before
+//! (no wrapping), the epoch the current rate counts from, the threshold, the limit cap and the
+//! first-replenish fill. A rate change closes the old rate's interval (adding its tokens
+//! whatever the threshold) and starts a new epoch. The bucket starts anywhere, including a few tokens before
 //! `u64::MAX`, so its rovers wrap during the run; the model's positions are compared modulo
 //! 2^64 after every operation.
 
@@ -29,13 +30,10 @@ struct Model {
     threshold: u64,
     tokens: u64,
     period_ns: u64,
-    /// Rate changes so far.
-    generation: u64,
+    /// Where the current rate's count starts.
+    epoch: u128,
     /// `None` before the first replenish.
     last: Option<u128>,
-    /// Token-nanoseconds carried (below `period_ns`), and the generation they were earned at.
-    rem: u128,
-    rem_generation: u64,
     /// The clock, in nanoseconds (saturating like `ManualClock`).
     now: u128,
 }
@@ -55,34 +53,47 @@ impl Model {
         add as u64
     }
 
+    /// `floor(rate × (t − epoch))`.
+    fn count(&self, t: u128) -> u128 {
+        assert!(t >= self.epoch, "the model never counts before its epoch");
+        self.tokens as u128 * (t - self.epoch) / self.period_ns as u128
+    }
+
     fn replenish(&mut self) -> u64 {
         let now = self.now.min(MAX_TIMESTAMP);
         let Some(last) = self.last else {
             // The first replenish fills the bucket.
             self.last = Some(now);
-            self.rem = 0;
-            self.rem_generation = self.generation;
             return self.fill(self.limit as u128);
         };
         if now <= last {
             return 0;
         }
-        let carried = if self.rem_generation == self.generation {
-            self.rem
-        } else {
-            0
-        };
-        let earned = self.tokens as u128 * (now - last) + carried;
-        let period = self.period_ns as u128;
-        let extra = earned / period;
+        let extra = self.count(now) - self.count(last);
         if extra < self.threshold as u128 {
             // Nothing happens: the time keeps accruing.
             return 0;
         }
         self.last = Some(now);
-        self.rem = earned % period;
-        self.rem_generation = self.generation;
         self.fill(extra)
+    }
+
+    /// The old rate's interval is closed (its tokens added whatever the threshold), and the
+    /// new rate counts from now.
+    fn set_rate(&mut self, rate: Rate) -> u64 {
+        let now = self.now.min(MAX_TIMESTAMP);
+        let mut added = 0;
+        if let Some(last) = self.last {
+            if now > last {
+                let extra = self.count(now) - self.count(last);
+                added = self.fill(extra);
+                self.last = Some(now);
+            }
+        }
+        self.tokens = rate.tokens();
+        self.period_ns = rate.period().as_nanos() as u64;
+        self.epoch = now;
+        added
     }
 
     fn refund(&mut self, n: u64) -> u64 {
@@ -251,10 +262,8 @@ fn build<M: Mode>(setup: &Setup) -> (SharedTokenBucket<M, ManualClock>, ManualCl
         threshold,
         tokens: setup.rate.tokens(),
         period_ns,
-        generation: 0,
+        epoch: now.min(MAX_TIMESTAMP),
         last: None,
-        rem: 0,
-        rem_generation: 0,
         now,
     };
     let (bucket, origin) = match &setup.restored {
@@ -346,10 +355,10 @@ fn run<M: Mode>(
                 prop_assert_eq!(b.replenish(), want, "replenish at step {}: {:?}", i, m);
             }
             Op::SetRate(rate) => {
+                let head = m.head;
+                m.set_rate(rate);
                 b.set_rate(rate).unwrap();
-                m.tokens = rate.tokens();
-                m.period_ns = rate.period().as_nanos() as u64;
-                m.generation += 1;
+                prop_assert!(m.head >= head);
             }
             Op::Check(offset, n) => {
                 let at = m.tail - offset as i128;
@@ -410,42 +419,63 @@ proptest! {
         run::<Capped>(&setup, &ops, Some(release_capped))?;
     }
 
-    /// No rounding drift: on an empty bucket that never caps, at a fixed rate, the tokens added
-    /// by any sequence of replenishes are exactly `floor(rate × elapsed)` up to the last
-    /// replenish, and what is not added yet is below the threshold.
+    /// No rounding drift, across rate changes: on an empty bucket that never caps, the tokens
+    /// issued by any sequence of replenishes and rate changes are exactly the sum, over the
+    /// pieces between rate changes, of `floor(rate × piece)`, up to the last replenish, and
+    /// what is not issued yet is below the threshold. Rovers start anywhere, including just
+    /// before `u64::MAX` (they wrap).
     #[test]
-    fn tokens_added_are_floor_of_rate_times_elapsed(
-        rate in rate(),
+    fn tokens_issued_are_piecewise_floor_of_rate_times_elapsed(
+        first in rate(),
         threshold in prop_oneof![Just(1u64), 1u64..=1_000],
         clock_start in prop_oneof![Just(0u64), 0u64..=(1 << 62)],
         tail in prop_oneof![Just(0u64), (0u64..=16).prop_map(|k| u64::MAX - k)],
         steps in prop::collection::vec(
-            prop_oneof![Just(0u64), 1u64..=1_000, 1u64..=1_000_000_000, 1u64..=1_000_000_000_000],
+            (
+                prop_oneof![Just(0u64), 1u64..=1_000, 1u64..=1_000_000_000, 1u64..=1_000_000_000_000],
+                prop_oneof![6 => Just(None), 1 => rate().prop_map(Some)],
+            ),
             1..100,
         ),
     ) {
-        let cfg = BucketConfig::new(rate, BucketConfig::MAX_LIMIT).with_threshold(threshold);
+        let cfg = BucketConfig::new(first, BucketConfig::MAX_LIMIT).with_threshold(threshold);
         let clock = ManualClock::new();
         clock.advance(Duration::from_nanos(clock_start));
         let state = BucketState { tail, head: tail, ceil: None };
         let b = SharedTokenBucket::<Uncapped, _>::from_state(cfg, clock.clone(), state).unwrap();
-        let floor = |elapsed: u128| {
+        let floor = |rate: Rate, elapsed: u128| {
             rate.tokens() as u128 * elapsed / rate.period().as_nanos()
         };
-        let mut added: u128 = 0;
+        // Tokens of the closed pieces, and the open piece's rate and start.
+        let (mut closed, mut rate, mut start): (u128, Rate, u128) = (0, first, 0);
+        let mut issued: u128 = 0;
         let mut elapsed: u128 = 0;
-        for ns in steps {
+        let mut take = |b: &SharedTokenBucket<Uncapped, ManualClock>| {
+            // Keep the bucket empty: nothing is ever capped.
+            let n = b.available();
+            let t = b.grab(n);
+            assert_eq!(b.deficiency(t), 0);
+            issued += n as u128;
+            issued
+        };
+        for (ns, change) in steps {
             clock.advance(Duration::from_nanos(ns));
             elapsed += ns as u128;
-            let n = b.replenish();
-            added += n as u128;
-            // Keep the bucket empty: nothing is ever capped.
-            let t = b.grab(n);
-            prop_assert_eq!(b.deficiency(t), 0);
+            b.replenish();
+            if let Some(new) = change {
+                b.set_rate(new).unwrap();
+                closed += floor(rate, elapsed - start);
+                (rate, start) = (new, elapsed);
+            }
+            let issued = take(&b);
             prop_assert_eq!(b.available(), 0);
             let last = b.last_replenish().unwrap().as_nanos() - clock_start as u128;
-            prop_assert_eq!(added, floor(last), "added vs floor(rate × elapsed to last replenish)");
-            prop_assert!(floor(elapsed) - added < threshold as u128);
+            prop_assert_eq!(
+                issued,
+                closed + floor(rate, last - start),
+                "issued vs the pieces' floors up to the last replenish"
+            );
+            prop_assert!(closed + floor(rate, elapsed - start) - issued < threshold as u128);
         }
     }
 }

@@ -10,6 +10,8 @@
 //! | `tokio_semaphore_try_acquire` | `Semaphore::try_acquire()` + `forget`, permits added back every 64 |
 //! | `leaky_bucket_try_acquire` | leaky-bucket `try_acquire(1)` |
 //! | `layout_padded` / `layout_packed` | a replica of grab + deficiency on two rovers, padded apart or in one cache line |
+//! | `replenish_epoch_lockfree` | `replenish_at(t)` of the bucket, `t` one nanosecond later each call |
+//! | `replenish_old_trylock` | the same on a copy of the previous algorithm (`last` as a try-lock, remainder carried) |
 //!
 //! `1t` runs on the bench thread; `2t` runs two threads (pinned to distinct cores where
 //! possible) on one shared instance, and reports the time per op of one thread: the aggregate
@@ -26,7 +28,7 @@ use std::time::{Duration, Instant};
 use criterion::{BenchmarkId, Criterion};
 use crossbeam_utils::CachePadded;
 
-use iothrottle::{BucketConfig, Rate, SharedTokenBucket, Uncapped};
+use iothrottle::{BucketConfig, BucketState, ManualClock, Rate, SharedTokenBucket, Uncapped};
 
 /// Replenish (or add permits back) once every this many ops, as Seastar's I/O queue roughly does.
 const REPLENISH_EVERY: u64 = 64;
@@ -190,6 +192,176 @@ fn packed_op(r: &Packed, i: u64) {
     black_box(replica_op(r, i));
 }
 
+/// A replenish target and the fake clock its calls read: each call is one nanosecond later, so
+/// that every call earns tokens at the highest rate (2.56 × 10^6 per ns) and, the bucket being
+/// empty with the largest limit, goes all the way to the `head` CAS.
+struct Repl<T> {
+    now: AtomicU64,
+    target: T,
+}
+
+fn repl_new() -> Repl<SharedTokenBucket<Uncapped, ManualClock>> {
+    let cfg = BucketConfig::new(
+        Rate::per_second(Rate::MAX_PER_SECOND),
+        BucketConfig::MAX_LIMIT,
+    );
+    let state = BucketState {
+        tail: 0,
+        head: 0,
+        ceil: None,
+    };
+    let b = SharedTokenBucket::from_state(cfg, ManualClock::new(), state).expect("valid");
+    Repl {
+        now: AtomicU64::new(0),
+        target: b,
+    }
+}
+
+fn repl_new_op(r: &Repl<SharedTokenBucket<Uncapped, ManualClock>>, _i: u64) {
+    let now = r.now.fetch_add(1, Ordering::Relaxed) + 1;
+    black_box(r.target.replenish_at(Duration::from_nanos(now)));
+}
+
+fn repl_old_op(r: &Repl<old::Bucket>, _i: u64) {
+    let now = r.now.fetch_add(1, Ordering::Relaxed) + 1;
+    black_box(r.target.replenish(now));
+}
+
+/// A copy of the replenish that `last` doubled as a try-lock for (before the epoch design), kept
+/// to measure the new one against: the replenish right is a CAS that sets the top bit of
+/// `last`, the fraction of a token is carried in `rem` under the right, and the rate sits in a
+/// two-slot seqlock. Uncapped only; same rovers and the same `head` CAS as the core.
+mod old {
+    use std::sync::atomic::{fence, AtomicU64, Ordering};
+
+    use crossbeam_utils::CachePadded;
+
+    const BUSY: u64 = 1 << 63;
+
+    pub(super) struct Bucket {
+        tail: CachePadded<AtomicU64>,
+        head: CachePadded<AtomicU64>,
+        repl: CachePadded<Repl>,
+        limit: u64,
+        threshold: u64,
+    }
+
+    struct Repl {
+        last: AtomicU64,
+        rem: AtomicU64,
+        rem_gen: AtomicU64,
+        seq: AtomicU64,
+        slots: [(AtomicU64, AtomicU64); 2],
+    }
+
+    impl Bucket {
+        /// Empty, replenished at 0, `tokens` per `period_ns`.
+        pub(super) fn new(tokens: u64, period_ns: u64, limit: u64) -> Self {
+            let slot = || (AtomicU64::new(tokens), AtomicU64::new(period_ns));
+            Bucket {
+                tail: CachePadded::new(AtomicU64::new(0)),
+                head: CachePadded::new(AtomicU64::new(0)),
+                repl: CachePadded::new(Repl {
+                    last: AtomicU64::new(0),
+                    rem: AtomicU64::new(0),
+                    rem_gen: AtomicU64::new(0),
+                    seq: AtomicU64::new(0),
+                    slots: [slot(), slot()],
+                }),
+                limit,
+                threshold: 1,
+            }
+        }
+
+        fn rate(&self) -> (u64, u64, u64) {
+            loop {
+                let s1 = self.repl.seq.load(Ordering::Acquire);
+                let slot = &self.repl.slots[((s1 >> 1) & 1) as usize];
+                let t = slot.0.load(Ordering::Relaxed);
+                let p = slot.1.load(Ordering::Relaxed);
+                fence(Ordering::Acquire);
+                if self.repl.seq.load(Ordering::Relaxed) >> 1 == s1 >> 1 {
+                    return (t, p, s1 >> 1);
+                }
+                std::hint::spin_loop();
+            }
+        }
+
+        fn earned(t: u64, p: u64, elapsed: u64, carried: u64) -> (u128, u64) {
+            let num = t as u128 * elapsed as u128;
+            let (whole, rem) = (num / p as u128, num % p as u128);
+            let frac = rem + carried as u128;
+            (whole + frac / p as u128, (frac % p as u128) as u64)
+        }
+
+        fn fill(&self, extra: u128) -> u64 {
+            let mut head = self.head.load(Ordering::Acquire);
+            loop {
+                let tail = self.tail.load(Ordering::Acquire);
+                let room = tail.wrapping_add(self.limit).wrapping_sub(head) as i64;
+                if room <= 0 {
+                    return 0;
+                }
+                let add = extra.min(room as u128) as u64;
+                if add == 0 {
+                    return 0;
+                }
+                match self.head.compare_exchange_weak(
+                    head,
+                    head.wrapping_add(add),
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                ) {
+                    Ok(_) => return add,
+                    Err(actual) => head = actual,
+                }
+            }
+        }
+
+        pub(super) fn replenish(&self, now: u64) -> u64 {
+            let last = self.repl.last.load(Ordering::Acquire);
+            if last & BUSY != 0 || now <= last {
+                return 0;
+            }
+            let (t, p, gen) = self.rate();
+            let carried = self.repl.rem.load(Ordering::Relaxed);
+            if Self::earned(t, p, now - last, carried).0 < self.threshold as u128 {
+                return 0;
+            }
+            if self
+                .repl
+                .last
+                .compare_exchange(last, last | BUSY, Ordering::Acquire, Ordering::Relaxed)
+                .is_err()
+            {
+                return 0;
+            }
+            let carried = if self.repl.rem_gen.load(Ordering::Relaxed) == gen {
+                self.repl.rem.load(Ordering::Relaxed)
+            } else {
+                0
+            };
+            let (extra, rem) = Self::earned(t, p, now - last, carried);
+            if extra < self.threshold as u128 {
+                self.repl.last.store(last, Ordering::Release);
+                return 0;
+            }
+            let added = self.fill(extra);
+            self.repl.rem.store(rem, Ordering::Relaxed);
+            self.repl.rem_gen.store(gen, Ordering::Relaxed);
+            self.repl.last.store(now, Ordering::Release);
+            added
+        }
+    }
+}
+
+fn repl_old() -> Repl<old::Bucket> {
+    Repl {
+        now: AtomicU64::new(0),
+        target: old::Bucket::new(Rate::MAX_PER_SECOND, 1_000_000_000, BucketConfig::MAX_LIMIT),
+    }
+}
+
 /// One-thread case: `op` on a fresh instance, counted per call.
 fn one<S: 'static>(
     c: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
@@ -267,6 +439,12 @@ pub fn bucket(c: &mut Criterion) {
     // Does padding the rovers apart help under contention? (The core pads.)
     two(&mut g, "layout_padded", Padded::default(), padded_op);
     two(&mut g, "layout_packed", Packed::default(), packed_op);
+
+    // The replenish path: the lock-free epoch design against a copy of the try-lock one.
+    one(&mut g, "replenish_epoch_lockfree", repl_new(), repl_new_op);
+    one(&mut g, "replenish_old_trylock", repl_old(), repl_old_op);
+    two(&mut g, "replenish_epoch_lockfree", repl_new(), repl_new_op);
+    two(&mut g, "replenish_old_trylock", repl_old(), repl_old_op);
     g.finish();
 }
 

@@ -130,8 +130,10 @@ impl BucketState {
 /// in line, and the caller waits until `deficiency` of that place is zero. Waiting is the
 /// caller's business (the async `Throttle` does it without blocking a thread).
 ///
-/// Tokens are issued exactly: between rate changes, the tokens added plus the tokens discarded
-/// by the cap equal `floor(rate × elapsed)` over any sequence of replenishes.
+/// Tokens are issued exactly: from the bucket's epoch (its creation, restore or last rate
+/// change) to any replenish at `t`, the tokens added plus the tokens discarded by the cap equal
+/// `floor(rate × (t − epoch))`, over any sequence of replenishes; a rate change counts the time
+/// before it at the old rate. Replenish is lock-free.
 ///
 /// ```
 /// use std::time::Duration;
@@ -172,9 +174,10 @@ impl<M: Mode, C: Clock> SharedTokenBucket<M, C> {
     /// [`replenish`](Self::replenish), which fills it to the limit.
     pub fn with_clock(config: BucketConfig, clock: C) -> Result<Self, ConfigError> {
         config.validate()?;
-        let rate = config.rate.raw().expect("validated above");
+        let rate = config.rate.raw()?;
+        let now = timestamp(clock.now());
         Ok(SharedTokenBucket {
-            rovers: Rovers::new(rate, config.limit, config.threshold, 0),
+            rovers: Rovers::new(rate, config.limit, config.threshold, 0, now),
             clock,
         })
     }
@@ -220,7 +223,7 @@ impl<M: Mode, C: Clock> SharedTokenBucket<M, C> {
             }
             (false, None) => 0,
         };
-        let rate = config.rate.raw().expect("validated above");
+        let rate = config.rate.raw()?;
         let now = timestamp(clock.now());
         Ok(SharedTokenBucket {
             rovers: Rovers::restored(
@@ -237,10 +240,22 @@ impl<M: Mode, C: Clock> SharedTokenBucket<M, C> {
     /// Claims `n` tokens and returns the new tail: the tokens are there once
     /// `deficiency(tail) == 0`. Never fails, never blocks.
     ///
-    /// `n` may exceed the limit: the bucket never holds that many at once, but `head` keeps
-    /// moving towards the claimed position, so the claim is met after `duration_for(n)` at the
-    /// latest (the waiter simply waits longer). Claims must stay below 2^62 tokens in total
-    /// ahead of `head`, or the wrapping comparisons break.
+    /// A claim is met once `head` reaches the returned position. The bucket never holds more
+    /// than `limit` tokens, so a claim of `n > limit` behaves according to the mode:
+    ///
+    /// - [`Uncapped`]: it is met by queueing. `tail` moves past `head` (a deficit), replenishes
+    ///   pay the queue at the rate, and the claim is met once the claims before it are paid
+    ///   and `n` minus what was in the bucket has accrued (`duration_for` of that). Claims
+    ///   behind it wait that much longer.
+    /// - [`Capped`]: it is not met by completions. `head` never passes `ceil`, which is at most
+    ///   `limit` ahead of the work that completed; the work before the claim can complete, but
+    ///   the claim needs `head` more than `limit` past where that work ends. It waits (and every
+    ///   later claim waits behind it) until tokens are refunded or released for work that never
+    ///   ran.
+    ///
+    /// Split claims above [`limit`](Self::limit), or refuse them (the async layers return a
+    /// typed error). Claims must stay below 2^62 tokens in total ahead of `head`, or the
+    /// wrapping comparisons break.
     #[inline]
     pub fn grab(&self, n: u64) -> u64 {
         self.rovers.grab(n)
@@ -261,9 +276,15 @@ impl<M: Mode, C: Clock> SharedTokenBucket<M, C> {
     /// many were added.
     ///
     /// The first call fills the bucket to the limit. Adds nothing when fewer than the threshold
-    /// were earned (the time keeps accruing), when another thread is replenishing at this moment
-    /// (its replenish covers the same time), or when the bucket is full (tokens over the limit
-    /// are discarded).
+    /// were earned (the time keeps accruing), when another thread moved the replenish time
+    /// meanwhile (its replenish covers the same time), when the clock reads no later than the
+    /// last replenish (a clock that went backwards changes nothing), or when the bucket is full
+    /// (tokens over the limit are discarded).
+    ///
+    /// Lock-free: a thread stalled inside `replenish` delays only the tokens of the interval it
+    /// claimed; every other replenish proceeds. Between `t₀` (the bucket's creation, restore or
+    /// last rate change) and any replenish at `t`, the tokens issued (added plus discarded) are
+    /// exactly `floor(rate × (t − t₀))`.
     #[inline]
     pub fn replenish(&self) -> u64 {
         self.rovers.replenish(timestamp(self.clock.now()))
@@ -274,6 +295,30 @@ impl<M: Mode, C: Clock> SharedTokenBucket<M, C> {
     #[inline]
     pub fn replenish_at(&self, now: Duration) -> u64 {
         self.rovers.replenish(timestamp(now))
+    }
+
+    /// Loom models only: the first half of a replenish at `now` (the CAS on the replenish
+    /// time), returning the tokens claimed; [`loom_fill`](Self::loom_fill) adds them. Lets a
+    /// model stall a replenisher between the two halves.
+    #[cfg(iothrottle_loom)]
+    #[doc(hidden)]
+    pub fn loom_claim_at(&self, now: Duration) -> Option<u128> {
+        self.rovers.claim(timestamp(now))
+    }
+
+    /// Loom models only: the second half of a replenish (see `loom_claim_at`).
+    #[cfg(iothrottle_loom)]
+    #[doc(hidden)]
+    pub fn loom_fill(&self, extra: u128) -> u64 {
+        self.rovers.fill(extra)
+    }
+
+    /// Loom models only: [`set_rate`](Self::set_rate) at `now`, returning the tokens it added
+    /// when it closed the old rate's interval.
+    #[cfg(iothrottle_loom)]
+    #[doc(hidden)]
+    pub fn loom_set_rate_at(&self, rate: Rate, now: Duration) -> u64 {
+        self.rovers.set_rate(rate.raw().unwrap(), timestamp(now))
     }
 
     /// Gives back `n` grabbed-but-unused tokens; returns how many fitted (the rest would have
@@ -300,12 +345,18 @@ impl<M: Mode, C: Clock> SharedTokenBucket<M, C> {
         self.rovers.rate().duration_for(n)
     }
 
-    /// Changes the rate. Takes effect at the next replenish, which applies the new rate to all
-    /// the time since the last replenish; the fraction of a token carried under the old rate is
-    /// dropped.
+    /// Changes the rate from now on. The time since the last replenish is counted at the old
+    /// rate and its tokens are added now, even fewer than the threshold (nothing earned is lost
+    /// or re-priced); the time after this call is counted at the new rate, from a new epoch.
+    ///
+    /// Exact for sequential calls: a replenish at `t` after a change at `s` issues
+    /// `floor(old × (s − t₀)) + floor(new × (t − s))` in all. Racing replenishes that read the
+    /// clock after this call did may still count up to their own reading at the old rate: the
+    /// change then takes effect at a clock reading between this call's start and its return.
+    /// Concurrent `set_rate` calls take turns; replenishers never wait for them.
     pub fn set_rate(&self, rate: Rate) -> Result<(), ConfigError> {
-        let raw = rate.raw().ok_or_else(|| rate.validate().unwrap_err())?;
-        self.rovers.set_rate(raw);
+        let raw = rate.raw()?;
+        self.rovers.set_rate(raw, timestamp(self.clock.now()));
         Ok(())
     }
 

@@ -1,9 +1,10 @@
 //! [`Rate`]: tokens per period, and the exact integer arithmetic on it.
 
 use std::fmt;
+use std::str::FromStr;
 use std::time::Duration;
 
-use crate::error::ConfigError;
+use crate::error::{ConfigError, ParseRateError};
 
 const NANOS_PER_SEC: u128 = 1_000_000_000;
 
@@ -48,6 +49,37 @@ impl Rate {
         Rate::new(tokens, Duration::from_millis(1))
     }
 
+    /// `n` bytes per second, for a bucket whose tokens are bytes (the same as
+    /// [`per_second`](Self::per_second); displayed in binary units when it is a whole number of
+    /// MiB or GiB).
+    ///
+    /// ```
+    /// use iothrottle::Rate;
+    ///
+    /// assert_eq!(Rate::bytes_per_second(50 << 20), Rate::mib_per_second(50));
+    /// assert_eq!(Rate::mib_per_second(50).to_string(), "50 MiB/s");
+    /// assert_eq!("50MiB/s".parse::<Rate>().unwrap(), Rate::mib_per_second(50));
+    /// assert_eq!("100MB/s".parse::<Rate>().unwrap(), Rate::bytes_per_second(100_000_000));
+    /// ```
+    pub const fn bytes_per_second(n: u64) -> Rate {
+        Rate::per_second(n)
+    }
+
+    /// `n` KiB (1024 bytes) per second. `u32` keeps the byte count within `u64`.
+    pub const fn kib_per_second(n: u32) -> Rate {
+        Rate::per_second((n as u64) << 10)
+    }
+
+    /// `n` MiB (2^20 bytes) per second. `u32` keeps the byte count within `u64`.
+    pub const fn mib_per_second(n: u32) -> Rate {
+        Rate::per_second((n as u64) << 20)
+    }
+
+    /// `n` GiB (2^30 bytes) per second. `u32` keeps the byte count within `u64`.
+    pub const fn gib_per_second(n: u32) -> Rate {
+        Rate::per_second((n as u64) << 30)
+    }
+
     /// Tokens per period, as given.
     pub const fn tokens(&self) -> u64 {
         self.tokens
@@ -64,8 +96,9 @@ impl Rate {
     }
 
     /// Compares two rates as the rational numbers they are: 7 per 3 s equals 14 per 6 s (which
-    /// `==`, comparing the fields as given, does not say). Exact for every rate a bucket accepts
-    /// (a period of at most `u64::MAX` nanoseconds); longer periods compare in floating point.
+    /// `==`, comparing the fields as given, does not say). Exact for every `Rate`, including
+    /// periods beyond `u64` nanoseconds. A zero period counts as an infinite rate (two of them
+    /// compare by tokens, and zero tokens per zero time as zero).
     ///
     /// ```
     /// use std::cmp::Ordering;
@@ -77,12 +110,15 @@ impl Rate {
     /// assert_eq!(r.cmp_rate(&Rate::per_second(3)), Ordering::Less);
     /// ```
     pub fn cmp_rate(&self, other: &Rate) -> std::cmp::Ordering {
-        // a/p < b/q  <=>  a·q < b·p. With p, q < 2^64 ns and a, b < 2^64 both products fit u128.
-        let lhs = (self.tokens as u128).checked_mul(other.period.as_nanos());
-        let rhs = (other.tokens as u128).checked_mul(self.period.as_nanos());
-        match (lhs, rhs) {
-            (Some(l), Some(r)) => l.cmp(&r),
-            _ => self.per_second_f64().total_cmp(&other.per_second_f64()),
+        let (p, q) = (self.period.as_nanos(), other.period.as_nanos());
+        let (a, b) = (self.tokens as u128, other.tokens as u128);
+        let infinite = |t: u128, p: u128| p == 0 && t > 0;
+        match (infinite(a, p), infinite(b, q)) {
+            (true, true) => a.cmp(&b),
+            (true, false) => std::cmp::Ordering::Greater,
+            (false, true) => std::cmp::Ordering::Less,
+            // a/p vs b/q  <=>  a·q vs b·p (a zero rate with a zero period has a = 0).
+            (false, false) => mul_wide(a, q).cmp(&mul_wide(b, p)),
         }
     }
 
@@ -112,34 +148,125 @@ impl Rate {
         Ok(())
     }
 
-    /// Whole tokens that accumulate in `elapsed`: `floor(tokens × elapsed / period)`, exact.
+    /// Whole tokens that accumulate in `elapsed`: `floor(tokens × elapsed / period)`, exact
+    /// whenever it fits `u128`, and `u128::MAX` (more than any bucket can hold) when it does
+    /// not. Total: any `Rate`, any `Duration`, no panic, no wrap.
     ///
-    /// Returns 0 for an invalid (zero) rate.
+    /// A zero-token rate earns 0; a zero period with tokens (an infinite rate) earns
+    /// `u128::MAX` in any positive time.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use iothrottle::Rate;
+    ///
+    /// let max = Rate::per_second(Rate::MAX_PER_SECOND);
+    /// assert_eq!(max.tokens_in(Duration::from_secs(1 << 40)), (Rate::MAX_PER_SECOND as u128) << 40);
+    /// assert_eq!(Rate::per_second(u64::MAX).tokens_in(Duration::MAX), u128::MAX);
+    /// ```
     pub fn tokens_in(&self, elapsed: Duration) -> u128 {
-        match self.raw() {
-            Some(raw) => raw.tokens_in(elapsed.as_nanos()).0,
-            None => 0,
+        let (t, p, e) = (
+            self.tokens as u128,
+            self.period.as_nanos(),
+            elapsed.as_nanos(),
+        );
+        if t == 0 || e == 0 {
+            return 0;
         }
+        if p == 0 {
+            return u128::MAX;
+        }
+        mul_div(t, e, p, false).unwrap_or(u128::MAX)
     }
 
     /// How long until `n` more tokens accumulate: `ceil(n × period / tokens)`.
     ///
     /// Rounds up, so a positive `n` never gets a zero duration (the busy loop of seastar PR
-    /// #1722). Saturates at [`Duration::MAX`]; an invalid (zero) rate also gives `Duration::MAX`.
+    /// #1722), except at an infinite rate (zero period). Total: saturates at
+    /// [`Duration::MAX`] (about 5.8 × 10^11 years) when the time does not fit a `Duration`,
+    /// and a zero-token rate, which never earns anything, also gives `Duration::MAX` for any
+    /// `n > 0`.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use iothrottle::Rate;
+    ///
+    /// assert_eq!(Rate::new(1, Duration::MAX).duration_for(2), Duration::MAX);
+    /// assert_eq!(Rate::per_second(1).duration_for(u64::MAX), Duration::from_secs(u64::MAX));
+    /// ```
     pub fn duration_for(&self, n: u64) -> Duration {
-        match self.raw() {
-            Some(raw) => raw.duration_for(n),
-            None => Duration::MAX,
+        let (t, p) = (self.tokens as u128, self.period.as_nanos());
+        if n == 0 || p == 0 {
+            return Duration::ZERO;
         }
+        if t == 0 {
+            return Duration::MAX;
+        }
+        mul_div(n as u128, p, t, true).map_or(Duration::MAX, duration_from_nanos)
     }
 
     /// The rate in the integer form the bucket stores, if it is valid.
-    pub(crate) fn raw(&self) -> Option<RawRate> {
-        self.validate().ok()?;
-        Some(RawRate {
+    pub(crate) fn raw(&self) -> Result<RawRate, ConfigError> {
+        self.validate()?;
+        Ok(RawRate {
             tokens: self.tokens,
             period_ns: self.period.as_nanos() as u64,
         })
+    }
+}
+
+/// `floor(a × b / d)` (or the ceiling when `up`), `None` when it exceeds `u128::MAX`. `d > 0`.
+fn mul_div(a: u128, b: u128, d: u128, up: bool) -> Option<u128> {
+    if let Some(prod) = a.checked_mul(b) {
+        return Some(if up { prod.div_ceil(d) } else { prod / d });
+    }
+    // a × b = a × q × d + a × r with r < d: the first term gives a × q exactly (or overflows,
+    // and then so does the result), the second `floor(a × r / d) < a` by long division.
+    let (q, r) = (b / d, b % d);
+    let whole = a.checked_mul(q)?;
+    let (mut quot, mut rem) = (0u128, 0u128);
+    for bit in (0..128).rev() {
+        // (quot, rem) = 2 × (quot, rem), keeping rem < d without overflowing.
+        quot <<= 1;
+        if rem >= d - rem {
+            quot += 1;
+            rem -= d - rem;
+        } else {
+            rem <<= 1;
+        }
+        if (a >> bit) & 1 == 1 {
+            if rem >= d - r {
+                quot += 1;
+                rem -= d - r;
+            } else {
+                rem += r;
+            }
+        }
+    }
+    let exact = whole.checked_add(quot)?;
+    if up && rem != 0 {
+        exact.checked_add(1)
+    } else {
+        Some(exact)
+    }
+}
+
+/// The full 256-bit product `a × b`, as `(high, low)` halves (compares as the number).
+fn mul_wide(a: u128, b: u128) -> (u128, u128) {
+    const LO: u128 = u64::MAX as u128;
+    let (a1, a0, b1, b0) = (a >> 64, a & LO, b >> 64, b & LO);
+    let (p00, p01, p10, p11) = (a0 * b0, a0 * b1, a1 * b0, a1 * b1);
+    // Middle column: at most three 64-bit halves, fits u128.
+    let mid = (p00 >> 64) + (p01 & LO) + (p10 & LO);
+    let low = (mid << 64) | (p00 & LO);
+    let high = p11 + (p01 >> 64) + (p10 >> 64) + (mid >> 64);
+    (high, low)
+}
+
+/// `ns` nanoseconds, or `Duration::MAX` when it does not fit.
+fn duration_from_nanos(ns: u128) -> Duration {
+    match u64::try_from(ns / NANOS_PER_SEC) {
+        Ok(secs) => Duration::new(secs, (ns % NANOS_PER_SEC) as u32),
+        Err(_) => Duration::MAX,
     }
 }
 
@@ -149,9 +276,134 @@ impl fmt::Debug for Rate {
     }
 }
 
+const KIB: u64 = 1 << 10;
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+
+/// Human units, exact and round-trippable through [`FromStr`] for every valid rate:
+///
+/// | rate | shown |
+/// |---|---|
+/// | a whole number of GiB or MiB per second | `"2 GiB/s"`, `"50 MiB/s"` |
+/// | other rates per second | `"1000/s"` |
+/// | per one ms, µs or ns | `"5/ms"`, `"5/µs"`, `"5/ns"` |
+/// | any other period | `"7 per 3s"`, `"1 per 1500ms"`, `"3 per 2500ns"` (the largest exact unit) |
+///
+/// ```
+/// use std::time::Duration;
+/// use iothrottle::Rate;
+///
+/// for r in [Rate::gib_per_second(2), Rate::per_second(1000), Rate::new(7, Duration::from_secs(3))] {
+///     assert_eq!(r.to_string().parse::<Rate>().unwrap(), r);
+/// }
+/// assert_eq!(Rate::new(7, Duration::from_secs(3)).to_string(), "7 per 3s");
+/// ```
 impl fmt::Display for Rate {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Debug::fmt(self, f)
+        let t = self.tokens;
+        let ns = self.period.as_nanos();
+        let unit = match ns {
+            1_000_000_000 => "s",
+            1_000_000 => "ms",
+            1_000 => "µs",
+            1 => "ns",
+            _ => "",
+        };
+        if unit == "s" && t > 0 && t.is_multiple_of(GIB) {
+            write!(f, "{} GiB/s", t / GIB)
+        } else if unit == "s" && t > 0 && t.is_multiple_of(MIB) {
+            write!(f, "{} MiB/s", t / MIB)
+        } else if !unit.is_empty() {
+            write!(f, "{t}/{unit}")
+        } else if ns.is_multiple_of(NANOS_PER_SEC) {
+            write!(f, "{t} per {}s", ns / NANOS_PER_SEC)
+        } else if ns.is_multiple_of(1_000_000) {
+            write!(f, "{t} per {}ms", ns / 1_000_000)
+        } else if ns.is_multiple_of(1_000) {
+            write!(f, "{t} per {}µs", ns / 1_000)
+        } else {
+            write!(f, "{t} per {ns}ns")
+        }
+    }
+}
+
+/// Parses `"50MiB/s"`, `"50 MiB/s"`, `"2GiB/s"`, `"100MB/s"`, `"1000/s"`, `"5/ms"` and
+/// `"7 per 3s"`, and checks the result like a bucket would ([`Rate::validate`]).
+///
+/// Grammar: `N [UNIT]/TIME` or `N per M TIME`, spaces optional around the unit, where `N`
+/// and `M` are decimal integers, `UNIT` is one of `B`, `KiB`, `MiB`, `GiB`, `TiB` (binary) or
+/// `kB`/`KB`, `MB`, `GB`, `TB` (decimal), and `TIME` is `s`, `ms`, `us`/`µs` or `ns`. Every
+/// problem is a [`ParseRateError`].
+impl FromStr for Rate {
+    type Err = ParseRateError;
+
+    fn from_str(s: &str) -> Result<Rate, ParseRateError> {
+        let input = s;
+        let syntax = || ParseRateError::Syntax {
+            input: input.to_owned(),
+        };
+        let overflow = || ParseRateError::Overflow {
+            input: input.to_owned(),
+        };
+        let (n, rest) = split_number(s.trim()).ok_or_else(syntax)?;
+        let n = n.parse::<u64>().map_err(|_| overflow())?;
+        let rest = rest.trim_start();
+        let rate = if let Some(period) = rest.strip_prefix("per ") {
+            let (m, unit) = split_number(period.trim_start()).ok_or_else(syntax)?;
+            let m = m.parse::<u128>().map_err(|_| overflow())?;
+            let ns = m
+                .checked_mul(time_unit(unit.trim(), input)?)
+                .ok_or_else(overflow)?;
+            let secs = u64::try_from(ns / NANOS_PER_SEC).map_err(|_| overflow())?;
+            Rate::new(n, Duration::new(secs, (ns % NANOS_PER_SEC) as u32))
+        } else {
+            let (unit, time) = rest.split_once('/').ok_or_else(syntax)?;
+            let mult = match unit.trim() {
+                "" | "B" => 1,
+                "KiB" => KIB,
+                "MiB" => MIB,
+                "GiB" => GIB,
+                "TiB" => 1 << 40,
+                "kB" | "KB" => 1_000,
+                "MB" => 1_000_000,
+                "GB" => 1_000_000_000,
+                "TB" => 1_000_000_000_000,
+                other => {
+                    return Err(ParseRateError::UnknownUnit {
+                        input: input.to_owned(),
+                        unit: other.to_owned(),
+                    })
+                }
+            };
+            let tokens = n.checked_mul(mult).ok_or_else(overflow)?;
+            let ns = time_unit(time.trim(), input)?;
+            Rate::new(tokens, Duration::from_nanos(ns as u64))
+        };
+        rate.validate().map_err(|source| ParseRateError::Invalid {
+            input: input.to_owned(),
+            source,
+        })?;
+        Ok(rate)
+    }
+}
+
+/// The leading decimal digits of `s` (at least one) and the rest.
+fn split_number(s: &str) -> Option<(&str, &str)> {
+    let end = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    (end > 0).then(|| s.split_at(end))
+}
+
+/// Nanoseconds in one `unit` of time.
+fn time_unit(unit: &str, input: &str) -> Result<u128, ParseRateError> {
+    match unit {
+        "s" => Ok(NANOS_PER_SEC),
+        "ms" => Ok(1_000_000),
+        "us" | "µs" => Ok(1_000),
+        "ns" => Ok(1),
+        other => Err(ParseRateError::UnknownUnit {
+            input: input.to_owned(),
+            unit: other.to_owned(),
+        }),
     }
 }
 
@@ -163,23 +415,22 @@ pub(crate) struct RawRate {
 }
 
 impl RawRate {
-    /// `(floor(tokens × elapsed_ns / period), remainder)`, where the remainder (in units of
-    /// token-nanoseconds, below `period_ns`) is what a later call must carry to stay exact.
-    pub(crate) fn tokens_in(self, elapsed_ns: u128) -> (u128, u64) {
-        // tokens < 2^64 and elapsed_ns < 2^64 in every caller: the product fits u128.
-        let num = self.tokens as u128 * elapsed_ns;
+    /// Tokens earned between `a` and `b` nanoseconds after an epoch (`a ≤ b`):
+    /// `floor(tokens × b / period) − floor(tokens × a / period)`. Consecutive intervals
+    /// telescope, so their sum is the count over the union, exactly.
+    #[inline]
+    pub(crate) fn count(self, a: u64, b: u64) -> u128 {
+        // tokens < 2^64 and a, b < 2^64: the products fit u128.
         let p = self.period_ns as u128;
-        (num / p, (num % p) as u64)
+        let t = self.tokens as u128;
+        t * b as u128 / p - t * a as u128 / p
     }
 
+    /// `ceil(n × period / tokens)`, saturating at `Duration::MAX`.
     pub(crate) fn duration_for(self, n: u64) -> Duration {
+        // n < 2^64 and period_ns < 2^64: the product fits u128.
         let num = n as u128 * self.period_ns as u128;
-        let ns = num.div_ceil(self.tokens as u128);
-        let secs = ns / NANOS_PER_SEC;
-        match u64::try_from(secs) {
-            Ok(secs) => Duration::new(secs, (ns % NANOS_PER_SEC) as u32),
-            Err(_) => Duration::MAX,
-        }
+        duration_from_nanos(num.div_ceil(self.tokens as u128))
     }
 
     pub(crate) fn to_rate(self) -> Rate {
@@ -190,6 +441,7 @@ impl RawRate {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::strategy::Strategy as _;
 
     #[test]
     fn duration_for_rounds_up_never_zero() {
@@ -259,5 +511,221 @@ mod tests {
         assert_eq!(r.tokens_in(Duration::from_secs(300)), 700);
         assert_eq!(r.tokens_in(Duration::from_nanos(428_571_428)), 0);
         assert_eq!(r.tokens_in(Duration::from_nanos(428_571_429)), 1);
+    }
+
+    #[test]
+    fn defect_8_tokens_in_is_total() {
+        let max = Rate::per_second(Rate::MAX_PER_SECOND);
+        // tokens × nanoseconds overflows u128 here (2^51 × 2^94): the old code panicked.
+        assert_eq!(
+            max.tokens_in(Duration::from_secs(u64::MAX)),
+            Rate::MAX_PER_SECOND as u128 * u64::MAX as u128
+        );
+        assert_eq!(max.tokens_in(Duration::MAX), {
+            let secs = Rate::MAX_PER_SECOND as u128 * u64::MAX as u128;
+            secs + Rate::MAX_PER_SECOND as u128 * 999_999_999 / 1_000_000_000
+        });
+        // Just below u128::MAX: still exact.
+        assert_eq!(
+            Rate::per_second(u64::MAX).tokens_in(Duration::MAX),
+            u64::MAX as u128 * u64::MAX as u128 + u64::MAX as u128 * 999_999_999 / 1_000_000_000
+        );
+        // Beyond u128: saturated.
+        assert_eq!(
+            Rate::new(u64::MAX, Duration::from_nanos(1)).tokens_in(Duration::MAX),
+            u128::MAX
+        );
+        // Periods beyond u64 nanoseconds are exact too.
+        let slow = Rate::new(u64::MAX, Duration::from_secs(u64::MAX));
+        assert_eq!(
+            slow.tokens_in(Duration::from_secs(u64::MAX)),
+            u64::MAX as u128
+        );
+        assert_eq!(slow.tokens_in(Duration::from_secs(1)), 1);
+        assert_eq!(Rate::new(3, Duration::MAX).tokens_in(Duration::MAX), 3);
+        // Invalid rates: defined, documented values.
+        assert_eq!(Rate::per_second(0).tokens_in(Duration::MAX), 0);
+        assert_eq!(
+            Rate::new(1, Duration::ZERO).tokens_in(Duration::from_nanos(1)),
+            u128::MAX
+        );
+        assert_eq!(Rate::new(1, Duration::ZERO).tokens_in(Duration::ZERO), 0);
+    }
+
+    #[test]
+    fn defect_8_duration_for_is_total() {
+        assert_eq!(
+            Rate::per_second(1).duration_for(u64::MAX),
+            Duration::from_secs(u64::MAX)
+        );
+        assert_eq!(
+            Rate::per_second(2).duration_for(u64::MAX),
+            Duration::new(u64::MAX / 2, 500_000_000)
+        );
+        assert_eq!(
+            Rate::new(1, Duration::from_secs(u64::MAX)).duration_for(2),
+            Duration::MAX
+        );
+        assert_eq!(
+            Rate::new(u64::MAX, Duration::MAX).duration_for(u64::MAX),
+            Duration::MAX
+        );
+        assert_eq!(Rate::new(u64::MAX, Duration::MAX).duration_for(1), {
+            // ceil(Duration::MAX in ns / u64::MAX)
+            let ns = Duration::MAX.as_nanos().div_ceil(u64::MAX as u128);
+            Duration::from_nanos(ns as u64)
+        });
+        assert_eq!(Rate::per_second(0).duration_for(1), Duration::MAX);
+        assert_eq!(Rate::per_second(0).duration_for(0), Duration::ZERO);
+        assert_eq!(Rate::new(1, Duration::ZERO).duration_for(5), Duration::ZERO);
+        let max = Rate::per_second(Rate::MAX_PER_SECOND);
+        assert_eq!(
+            max.duration_for(u64::MAX),
+            Duration::from_nanos(
+                (u64::MAX as u128 * 1_000_000_000).div_ceil(Rate::MAX_PER_SECOND as u128) as u64
+            )
+        );
+    }
+
+    proptest::proptest! {
+        /// The slow path of `mul_div` against the 256-bit product: q × d ≤ a × b < (q + 1) × d.
+        #[test]
+        fn mul_div_is_exact(a in proptest::prelude::any::<u128>(), b in proptest::prelude::any::<u128>(), d in 1u128..) {
+            match mul_div(a, b, d, false) {
+                Some(q) => {
+                    let ab = mul_wide(a, b);
+                    proptest::prop_assert!(mul_wide(q, d) <= ab);
+                    let (h, l) = mul_wide(q, d);
+                    let (l2, carry) = l.overflowing_add(d);
+                    proptest::prop_assert!((h + carry as u128, l2) > ab);
+                    let up = mul_div(a, b, d, true);
+                    let exact = mul_wide(q, d) == ab;
+                    proptest::prop_assert_eq!(up, if exact { Some(q) } else { q.checked_add(1) });
+                }
+                None => {
+                    // The quotient exceeds u128: a × b ≥ 2^128 × d.
+                    let (h, _) = mul_wide(a, b);
+                    proptest::prop_assert!(h >= d);
+                }
+            }
+        }
+
+        /// Display then FromStr gives the same rate back, for every valid rate.
+        #[test]
+        fn display_from_str_round_trips(
+            tokens in proptest::prop_oneof![
+                1u64..=10_000,
+                proptest::prelude::any::<u64>(),
+                (1u32..=4096).prop_map(|n| (n as u64) << 20),
+                (1u32..=4096).prop_map(|n| (n as u64) << 30),
+            ],
+            ns in proptest::prop_oneof![
+                proptest::strategy::Just(1_000_000_000u64),
+                proptest::strategy::Just(1_000_000),
+                proptest::strategy::Just(1_000),
+                proptest::strategy::Just(1),
+                (1u64..=1_000_000).prop_map(|s| s * 1_000_000_000),
+                proptest::prelude::any::<u64>(),
+            ],
+        ) {
+            let r = Rate::new(tokens, Duration::from_nanos(ns));
+            proptest::prop_assume!(r.validate().is_ok());
+            let shown = r.to_string();
+            proptest::prop_assert_eq!(shown.parse::<Rate>(), Ok(r), "{}", shown);
+        }
+    }
+
+    #[test]
+    fn byte_units_display_and_parse() {
+        assert_eq!(Rate::mib_per_second(50).to_string(), "50 MiB/s");
+        assert_eq!(Rate::gib_per_second(2).to_string(), "2 GiB/s");
+        assert_eq!(Rate::gib_per_second(1024).to_string(), "1024 GiB/s");
+        assert_eq!(
+            Rate::kib_per_second(1536).to_string(),
+            "1536 MiB/s".replace("1536 MiB", "1572864")
+        );
+        assert_eq!(Rate::per_second(1000).to_string(), "1000/s");
+        assert_eq!(Rate::per_millisecond(5).to_string(), "5/ms");
+        assert_eq!(Rate::new(7, Duration::from_secs(3)).to_string(), "7 per 3s");
+        assert_eq!(
+            Rate::new(1, Duration::from_millis(1500)).to_string(),
+            "1 per 1500ms"
+        );
+        assert_eq!(
+            Rate::new(3, Duration::from_nanos(2500)).to_string(),
+            "3 per 2500ns"
+        );
+        assert_eq!(
+            Rate::new(3, Duration::from_micros(2)).to_string(),
+            "3 per 2µs"
+        );
+        assert_eq!(Rate::bytes_per_second(7), Rate::per_second(7));
+        assert_eq!(
+            Rate::kib_per_second(u32::MAX).tokens(),
+            (u32::MAX as u64) << 10
+        );
+        assert_eq!(
+            Rate::gib_per_second(u32::MAX).tokens(),
+            (u32::MAX as u64) << 30
+        );
+        let ok = |s: &str| s.parse::<Rate>().unwrap();
+        assert_eq!(ok("50MiB/s"), Rate::mib_per_second(50));
+        assert_eq!(ok("50 MiB/s"), Rate::mib_per_second(50));
+        assert_eq!(ok(" 50 MiB / s "), Rate::mib_per_second(50));
+        assert_eq!(ok("2GiB/s"), Rate::gib_per_second(2));
+        assert_eq!(ok("1000/s"), Rate::per_second(1000));
+        assert_eq!(ok("100MB/s"), Rate::per_second(100_000_000));
+        assert_eq!(ok("64KiB/s"), Rate::kib_per_second(64));
+        assert_eq!(ok("64kB/s"), Rate::per_second(64_000));
+        assert_eq!(ok("1GB/s"), Rate::per_second(1_000_000_000));
+        assert_eq!(ok("1TiB/s"), Rate::per_second(1 << 40));
+        assert_eq!(ok("10B/ms"), Rate::per_millisecond(10));
+        assert_eq!(ok("5/us"), Rate::new(5, Duration::from_micros(1)));
+        assert_eq!(ok("5/µs"), Rate::new(5, Duration::from_micros(1)));
+        assert_eq!(ok("7 per 3s"), Rate::new(7, Duration::from_secs(3)));
+        assert_eq!(ok("7 per 3 s"), Rate::new(7, Duration::from_secs(3)));
+    }
+
+    #[test]
+    fn parse_errors_are_typed() {
+        use crate::error::ParseRateError as E;
+        let err = |s: &str| s.parse::<Rate>().unwrap_err();
+        assert!(matches!(err(""), E::Syntax { .. }));
+        assert!(matches!(err("MiB/s"), E::Syntax { .. }));
+        assert!(matches!(err("50 MiB"), E::Syntax { .. }));
+        assert!(matches!(err("-5/s"), E::Syntax { .. }));
+        assert!(matches!(err("7 per s"), E::Syntax { .. }));
+        assert!(matches!(err("50 MiBs/s"), E::UnknownUnit { unit, .. } if unit == "MiBs"));
+        assert!(matches!(err("50 MiB/h"), E::UnknownUnit { unit, .. } if unit == "h"));
+        assert!(matches!(err("7 per 3h"), E::UnknownUnit { .. }));
+        assert!(matches!(err("99999999999999999999/s"), E::Overflow { .. }));
+        assert!(matches!(err("17592186044416 MiB/s"), E::Overflow { .. }));
+        assert!(matches!(
+            err("1 per 99999999999999999999s"),
+            E::Overflow { .. }
+        ));
+        assert!(matches!(
+            err("0/s"),
+            E::Invalid {
+                source: ConfigError::ZeroRate { .. },
+                ..
+            }
+        ));
+        assert!(matches!(
+            err("1 per 0s"),
+            E::Invalid {
+                source: ConfigError::ZeroRate { .. },
+                ..
+            }
+        ));
+        assert!(matches!(
+            err("10000 TB/s"),
+            E::Invalid {
+                source: ConfigError::RateTooHigh { .. },
+                ..
+            }
+        ));
+        let msg = err("50 MiB/h").to_string();
+        assert!(msg.contains("\"h\"") && msg.contains("50 MiB/h"), "{msg}");
     }
 }

@@ -12,24 +12,31 @@
 //!   replenish or refund add *less*; `head` itself moves by CAS against the value the room was
 //!   computed from. Hence `head ≤ tail + limit` and `head ≤ ceil` hold at every instant, under
 //!   any interleaving; loom checks it in `loom-tests/`.
-//! - `last` doubles as the replenish right. Taking it (CAS to `last | BUSY`) is **Acquire**, and
-//!   giving it back (`store`) is **Release**: the remainder and its rate generation, written
-//!   under the right with Relaxed stores, pass from one replenisher to the next through this
-//!   pair. Losers do not wait: like the CAS losers in Seastar, they return at once and the
-//!   winner's replenish covers their time.
+//! - `last` is the end of the last counted interval. A replenish loads it (**Relaxed**), prices
+//!   `[last, now)` with the rate regime it then reads, and claims the interval with one CAS
+//!   from `last` to `now` (**Release** on success, **Relaxed** on failure). The regime read
+//!   ends with an Acquire fence, and a fence after a load that read a Release CAS synchronises
+//!   with it: a thread that read `last = t` also reads a regime at least as new as the one `t`
+//!   was priced with (or closed with, by `set_rate`), so an interval is never priced at a rate
+//!   older than the one in force when it started. Loom shows both Releases are needed.
+//!   Losers return at once: the winner's interval covers their time. A winner stalled between
+//!   its CAS and its `head` CAS holds back only the tokens of its own interval; the next
+//!   replenish starts from its `now` and proceeds.
+//! - `set_rate` publishes a new regime (old rate up to the epoch, new rate after) and then
+//!   closes the old rate's interval with the same CAS on `last`; the regime is published before
+//!   `last` passes the epoch, and the regime's writer observed `last ≥ prev_epoch` before
+//!   publishing, so a replenisher that read an older `last` fails its CAS.
 
 use crossbeam_utils::CachePadded;
 
 use crate::bucket::mode::private::{CeilRover, Sealed};
 use crate::bucket::mode::Mode;
 use crate::bucket::rate::RawRate;
-use crate::bucket::rate_cell::RateCell;
+use crate::bucket::rate_cell::{RateCell, Regime};
 use crate::sync::{AtomicU64, Ordering};
 
-/// Top bit of `last`: a replenish is in progress.
-const BUSY: u64 = 1 << 63;
 /// `last` before the first replenish: the first replenish fills the bucket.
-const FRESH: u64 = BUSY - 1;
+const FRESH: u64 = (1 << 63) - 1;
 /// The largest timestamp, in nanoseconds (about 292 years after the clock's origin).
 pub(crate) const MAX_TIMESTAMP: u64 = FRESH - 1;
 
@@ -50,18 +57,23 @@ fn earlier(a: u64, b: u64) -> u64 {
     }
 }
 
-/// The replenish state: who may replenish, since when, and the carried remainder.
+/// The replenish state: the end of the last counted interval, and the rate regime.
+///
+/// | state | meaning |
+/// |---|---|
+/// | `last == FRESH` | never replenished: the first replenish fills the bucket to the limit |
+/// | `last < regime.epoch` | a rate change is not closed yet: `[last, epoch)` is owed at `prev` |
+/// | `last ≥ regime.epoch` | every interval up to `last` has been counted (and claimed) |
+/// | always (but `FRESH`) | `last ≥ regime.prev_epoch` |
+///
+/// `last` only moves forward, by CAS, and every move claims the interval it skips: the tokens
+/// the regime prices for it are added by the thread whose CAS succeeded.
 #[derive(Debug)]
 struct Replenisher {
-    /// Time of the last replenish (nanoseconds on the bucket's clock), `FRESH` before the first,
-    /// with `BUSY` set while a replenish is in progress.
+    /// End of the last counted interval (nanoseconds on the bucket's clock), `FRESH` before the
+    /// first replenish.
     last: AtomicU64,
-    /// Token-nanoseconds carried from the last replenish, below the rate's period: the fraction
-    /// of a token already earned. Written only by the holder of the replenish right.
-    rem: AtomicU64,
-    /// The rate generation `rem` was earned at; a new rate starts from zero remainder.
-    rem_gen: AtomicU64,
-    rate: RateCell,
+    regime: RateCell,
 }
 
 /// The three rovers and the replenish state.
@@ -90,15 +102,14 @@ pub(crate) struct Rovers<M: Mode> {
 }
 
 impl<M: Mode> Rovers<M> {
-    /// Rovers at `tail = head = start`, `ceil = start + limit`, before the first replenish.
-    pub(crate) fn new(rate: RawRate, limit: u64, threshold: u64, start: u64) -> Self {
+    /// Rovers at `tail = head = start`, `ceil = start + limit`, before the first replenish,
+    /// counting tokens from `now`.
+    pub(crate) fn new(rate: RawRate, limit: u64, threshold: u64, start: u64, now: u64) -> Self {
         Self::at(
-            rate,
+            Regime::new(rate, now.min(MAX_TIMESTAMP)),
             limit,
             threshold,
-            start,
-            start,
-            start.wrapping_add(limit),
+            (start, start, start.wrapping_add(limit)),
             FRESH,
         )
     }
@@ -108,27 +119,18 @@ impl<M: Mode> Rovers<M> {
         rate: RawRate,
         limit: u64,
         threshold: u64,
-        (tail, head, ceil): (u64, u64, u64),
+        rovers: (u64, u64, u64),
         now: u64,
     ) -> Self {
-        Self::at(
-            rate,
-            limit,
-            threshold,
-            tail,
-            head,
-            ceil,
-            now.min(MAX_TIMESTAMP),
-        )
+        let now = now.min(MAX_TIMESTAMP);
+        Self::at(Regime::new(rate, now), limit, threshold, rovers, now)
     }
 
     fn at(
-        rate: RawRate,
+        regime: Regime,
         limit: u64,
         threshold: u64,
-        tail: u64,
-        head: u64,
-        ceil: u64,
+        (tail, head, ceil): (u64, u64, u64),
         last: u64,
     ) -> Self {
         Rovers {
@@ -137,9 +139,7 @@ impl<M: Mode> Rovers<M> {
             ceil: <M::Ceil as CeilRover>::new(ceil),
             repl: CachePadded::new(Replenisher {
                 last: AtomicU64::new(last),
-                rem: AtomicU64::new(0),
-                rem_gen: AtomicU64::new(0),
-                rate: RateCell::new(rate),
+                regime: RateCell::new(regime),
             }),
             limit,
             threshold,
@@ -183,7 +183,8 @@ impl<M: Mode> Rovers<M> {
 
     /// Adds up to `extra` tokens to `head`, never past `tail + limit` (nor `ceil` when capped).
     /// Returns how many were added; the rest is discarded.
-    fn fill(&self, extra: u128) -> u64 {
+    #[inline]
+    pub(crate) fn fill(&self, extra: u128) -> u64 {
         // Acquire: as in `deficiency`.
         let mut head = self.head.load(Ordering::Acquire);
         loop {
@@ -230,90 +231,119 @@ impl<M: Mode> Rovers<M> {
     /// tokens added.
     ///
     /// Does nothing when `now` is not after the last replenish, when fewer than `threshold`
-    /// tokens would be added (the time keeps accruing), or when another thread is replenishing
-    /// right now (its replenish covers this time).
+    /// tokens would be added (the time keeps accruing), or when another thread moved `last`
+    /// since we read it (its replenish covers that time). Lock-free: no step waits for another
+    /// thread, and a thread stalled anywhere in here holds back only the tokens of the interval
+    /// it claimed.
+    #[inline]
     pub(crate) fn replenish(&self, now: u64) -> u64 {
+        match self.claim(now) {
+            Some(extra) => self.fill(extra),
+            None => 0,
+        }
+    }
+
+    /// The first half of a replenish: moves `last` to `now` by CAS and returns the tokens of
+    /// the interval claimed (the bucket's limit for the first replenish), or `None` when there
+    /// is nothing to claim. The caller must [`fill`](Self::fill) them.
+    #[inline]
+    pub(crate) fn claim(&self, now: u64) -> Option<u128> {
         let now = now.min(MAX_TIMESTAMP);
-        // Acquire: pairs with the Release that ended the previous replenish (see module doc).
-        let last = self.repl.last.load(Ordering::Acquire);
-        if last & BUSY != 0 {
-            return 0;
-        }
-        let fresh = last == FRESH;
-        if !fresh && now <= last {
-            return 0;
-        }
-        let (rate, gen) = self.repl.rate.load();
-        if !fresh {
-            // An estimate without the right: the remainder may be stale or from another rate
-            // generation, which at worst skips a replenish that a later call then makes (the
-            // time keeps accruing). It saves the CAS when nothing is due, e.g. a threshold-1
-            // bucket replenished on every grab.
-            // Relaxed: an estimate; the exact figure is recomputed under the right.
-            let carried = self.repl.rem.load(Ordering::Relaxed);
-            if Self::earned(rate, now - last, carried).0 < self.threshold as u128 {
+        // Relaxed: the regime read below ends with an Acquire fence, which synchronises with the
+        // Release CAS that stored this value (a fence after a load that read a release store),
+        // so that regime is at least the one in force then. Loom checks it.
+        let last = self.repl.last.load(Ordering::Relaxed);
+        let extra = if last == FRESH {
+            self.limit as u128
+        } else {
+            if now <= last {
+                return None;
+            }
+            let extra = self.repl.regime.load().earned(last, now)?;
+            if extra < self.threshold as u128 {
+                return None;
+            }
+            extra
+        };
+        // Release on success: a replenisher that reads `now` from here also sees the regime
+        // we priced with (the chain the Acquire above relies on). Relaxed on failure: another
+        // thread moved `last` and covers the time; we leave.
+        self.repl
+            .last
+            .compare_exchange(last, now, Ordering::Release, Ordering::Relaxed)
+            .ok()
+            .map(|_| extra)
+    }
+
+    /// Moves `last` up to `regime.epoch` if it is behind, adding what the old rate earned
+    /// there whatever the threshold. Returns the tokens added.
+    fn close(&self, regime: &Regime) -> u64 {
+        loop {
+            // Relaxed: the regime is given, and the CAS below checks the value.
+            let last = self.repl.last.load(Ordering::Relaxed);
+            if last == FRESH || last >= regime.epoch {
                 return 0;
             }
-        }
-        // Acquire on success: we see the remainder of the previous holder. Relaxed on failure:
-        // someone else is replenishing or has replenished; we leave.
-        if self
-            .repl
-            .last
-            .compare_exchange(last, last | BUSY, Ordering::Acquire, Ordering::Relaxed)
-            .is_err()
-        {
-            return 0;
-        }
-        let (extra, rem) = if fresh {
-            (self.limit as u128, 0)
-        } else {
-            // Relaxed: we hold the replenish right; the Acquire above ordered us after its
-            // previous holder's writes.
-            let carried = if self.repl.rem_gen.load(Ordering::Relaxed) == gen {
-                self.repl.rem.load(Ordering::Relaxed)
-            } else {
-                0
+            let Some(extra) = regime.earned(last, regime.epoch) else {
+                // Unreachable while `last ≥ prev_epoch` (see `Replenisher`); nothing to add.
+                return 0;
             };
-            Self::earned(rate, now - last, carried)
-        };
-        if extra < self.threshold as u128 {
-            // Release: gives the right back unchanged.
-            self.repl.last.store(last, Ordering::Release);
-            return 0;
+            // Release / Relaxed: as in `claim`; on failure someone moved `last`: look again.
+            if self
+                .repl
+                .last
+                .compare_exchange(last, regime.epoch, Ordering::Release, Ordering::Relaxed)
+                .is_ok()
+            {
+                return self.fill(extra);
+            }
         }
-        let added = self.fill(extra);
-        // Relaxed: published by the Release store of `last` below.
-        self.repl.rem.store(rem, Ordering::Relaxed);
-        self.repl.rem_gen.store(gen, Ordering::Relaxed);
-        // Release: ends the replenish and publishes the remainder to the next holder.
-        self.repl.last.store(now, Ordering::Release);
-        added
     }
 
-    /// Whole tokens earned in `elapsed_ns` with `carried` token-nanoseconds from before, and the
-    /// token-nanoseconds to carry on.
-    fn earned(rate: RawRate, elapsed_ns: u64, carried: u64) -> (u128, u64) {
-        let (whole, rem) = rate.tokens_in(elapsed_ns as u128);
-        // Both below the period (a carried value from another rate may not be: it is only
-        // used for the estimate, so `frac / period` is still a small number).
-        let frac = rem as u128 + carried as u128;
-        let period = rate.period_ns as u128;
-        (whole + frac / period, (frac % period) as u64)
-    }
-
+    /// The current rate.
     pub(crate) fn rate(&self) -> RawRate {
-        self.repl.rate.load().0
+        self.repl.regime.load().rate
     }
 
-    pub(crate) fn set_rate(&self, rate: RawRate) {
-        self.repl.rate.store(rate);
+    /// Changes the rate at `now`: the time up to `now` is counted at the old rate (added now,
+    /// even below the threshold), the time after it at the new one. Returns the tokens added.
+    ///
+    /// If another thread already counted past `now`, the change starts at that point instead.
+    pub(crate) fn set_rate(&self, rate: RawRate, now: u64) -> u64 {
+        let now = now.min(MAX_TIMESTAMP);
+        let mut added = 0;
+        let next = self.repl.regime.update(|current| {
+            // An earlier change may not be closed yet (its writer stalled after publishing);
+            // close it, so that the one old rate our regime keeps is enough.
+            added += self.close(&current);
+            // Relaxed: only its value matters (`last` only grows, so the epoch is not behind
+            // it); we hold the writer turn, and `close` above made it reach the old epoch.
+            let last = self.repl.last.load(Ordering::Relaxed);
+            if last == FRESH {
+                // Nothing was counted yet (the first replenish fills the bucket): the new
+                // rate prices everything, and from 0 any `last` a racing first fill stores.
+                Regime {
+                    rate,
+                    epoch: now,
+                    prev: rate,
+                    prev_epoch: 0,
+                }
+            } else {
+                Regime {
+                    rate,
+                    epoch: now.max(last),
+                    prev: current.rate,
+                    prev_epoch: current.epoch,
+                }
+            }
+        });
+        added + self.close(&next)
     }
 
     /// The time of the last replenish, `None` before the first.
     pub(crate) fn last_replenish(&self) -> Option<u64> {
-        // Acquire: as in `replenish`; the value is a snapshot.
-        let last = self.repl.last.load(Ordering::Acquire) & !BUSY;
+        // Relaxed: a snapshot of the value; nothing is read through it.
+        let last = self.repl.last.load(Ordering::Relaxed);
         (last != FRESH).then_some(last)
     }
 

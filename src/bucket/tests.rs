@@ -130,8 +130,8 @@ fn first_replenish_fills_even_at_time_zero() {
 
 #[test]
 fn awkward_rate_issues_exactly_floor_of_rate_times_elapsed() {
-    // 7 tokens per 3 s, replenished every 100 ms for 10 minutes: whole tokens only, the
-    // fraction carried. Seastar rounds each replenish and drifts; we must land on 1400.
+    // 7 tokens per 3 s, replenished every 100 ms for 10 minutes: whole tokens only,
+    // counted from the epoch. Seastar rounds each replenish and drifts; we must land on 1400.
     let (b, clock) = bucket::<Uncapped>(Rate::new(7, Duration::from_secs(3)), 1_000_000, 1);
     b.replenish();
     let start = b.grab(1_000_000); // empty the bucket so nothing is capped
@@ -272,4 +272,156 @@ fn is_send_and_sync() {
     fn check<T: Send + Sync>() {}
     check::<SharedTokenBucket<Uncapped>>();
     check::<SharedTokenBucket<Capped, ManualClock>>();
+}
+
+/// An empty bucket restored at time 0 on a manual clock, with a large limit.
+fn empty<M: Mode>(rate: Rate, threshold: u64) -> (SharedTokenBucket<M, ManualClock>, ManualClock) {
+    let clock = ManualClock::new();
+    let limit = BucketConfig::MAX_LIMIT;
+    let cfg = BucketConfig::new(rate, limit).with_threshold(threshold);
+    let state = BucketState {
+        tail: 0,
+        head: 0,
+        ceil: M::CAPPED.then_some(limit),
+    };
+    (
+        SharedTokenBucket::from_state(cfg, clock.clone(), state).unwrap(),
+        clock,
+    )
+}
+
+/// Replenishes and grabs what came (so the bucket never caps); returns what was added.
+fn drain<M: Mode>(b: &SharedTokenBucket<M, ManualClock>) -> u64 {
+    let n = b.replenish();
+    let t = b.grab(n);
+    assert_eq!(b.deficiency(t), 0);
+    n
+}
+
+#[test]
+fn defect_3_set_rate_does_not_reprice_the_past() {
+    // 1/s with a large threshold; after 0.9 s (0.9 tokens earned, none issued) the rate goes to
+    // 10^6/s. At 0.9 s + d the rates allow floor(0.9) + floor(10^6 × d) = 10^6 × d tokens, and
+    // the old code priced the whole 0.9 s + d at the new rate (900,000 + ...).
+    let (b, clock) = empty::<Uncapped>(Rate::per_second(1), 1_000);
+    clock.advance(Duration::from_millis(900));
+    assert_eq!(drain(&b), 0, "0.9 tokens: below the threshold");
+    b.set_rate(Rate::per_second(1_000_000)).unwrap();
+    let mut issued = 0u64;
+    for (ms, want) in [
+        (901, 1_000u64),
+        (903, 3_000),
+        (1_900, 1_000_000),
+        (2_900, 2_000_000),
+    ] {
+        clock.advance(Duration::from_millis(ms) - clock.now());
+        issued += drain(&b);
+        assert_eq!(issued, want, "issued by {ms} ms");
+        // The bound: old × 0.9 s + new × (t − 0.9 s).
+        assert!(issued as f64 <= 0.9 + 1e6 * (ms as f64 / 1e3 - 0.9) + 1e-6);
+    }
+}
+
+#[test]
+fn defect_3_set_rate_closes_a_below_threshold_interval_at_the_old_rate() {
+    // 10/s, threshold 100: at 0.95 s 9 tokens are earned (below the threshold). They are
+    // neither lost nor re-priced: set_rate adds them, and the new rate counts from 0.95 s.
+    let (b, clock) = empty::<Uncapped>(Rate::per_second(10), 100);
+    clock.advance(Duration::from_millis(950));
+    assert_eq!(drain(&b), 0);
+    b.set_rate(Rate::per_second(1_000_000)).unwrap();
+    assert_eq!(
+        b.available(),
+        9,
+        "the old rate's 9 tokens, added at the change"
+    );
+    assert_eq!(b.last_replenish(), Some(Duration::from_millis(950)));
+    b.grab(9);
+    clock.advance(Duration::from_micros(150));
+    assert_eq!(drain(&b), 150);
+    // And back down: the 10^6/s interval below the threshold is closed at 10^6/s.
+    clock.advance(Duration::from_micros(50));
+    assert_eq!(drain(&b), 0, "50 < threshold 100");
+    b.set_rate(Rate::new(7, Duration::from_secs(3))).unwrap();
+    assert_eq!(b.available(), 50);
+    b.grab(50);
+    clock.advance(Duration::from_secs(300));
+    assert_eq!(drain(&b), 700, "exactly floor(7/3 × 300) after the change");
+}
+
+#[test]
+fn set_rate_sequences_are_piecewise_exact() {
+    // Many changes, each at an awkward rate, with replenishes of awkward lengths between:
+    // the total is the sum over the pieces of floor(rate × piece), exactly.
+    let rates = [
+        Rate::new(7, Duration::from_secs(3)),
+        Rate::new(1, Duration::from_nanos(3)),
+        Rate::per_second(Rate::MAX_PER_SECOND),
+        Rate::new(5, Duration::from_millis(7)),
+    ];
+    let (b, clock) = empty::<Uncapped>(rates[0], 1);
+    let mut want: u128 = 0;
+    let mut issued: u128 = 0;
+    for (i, step) in (1..40u64).map(|i| (i, i * 7_919_111)) {
+        let rate = rates[i as usize % rates.len()];
+        let before = b.rate();
+        clock.advance(Duration::from_nanos(step));
+        want += before.tokens_in(Duration::from_nanos(step));
+        issued += drain(&b) as u128;
+        b.set_rate(rate).unwrap();
+        issued += b.available() as u128;
+        b.grab(b.available());
+        assert_eq!(issued, want, "after change {i}");
+    }
+}
+
+#[test]
+fn clock_going_backwards_changes_nothing() {
+    let (b, _) = empty::<Uncapped>(Rate::per_second(1_000), 1);
+    assert_eq!(b.replenish_at(Duration::from_millis(10)), 10);
+    assert_eq!(b.replenish_at(Duration::from_millis(5)), 0);
+    assert_eq!(b.replenish_at(Duration::from_millis(10)), 0);
+    assert_eq!(b.last_replenish(), Some(Duration::from_millis(10)));
+    assert_eq!(
+        b.replenish_at(Duration::from_millis(12)),
+        2,
+        "nothing counted twice"
+    );
+}
+
+#[test]
+fn replenish_before_the_epoch_and_far_in_the_future_is_total() {
+    let clock = ManualClock::new();
+    clock.advance(Duration::from_secs(100));
+    let cfg = BucketConfig::new(
+        Rate::per_second(Rate::MAX_PER_SECOND),
+        BucketConfig::MAX_LIMIT,
+    );
+    let b = SharedTokenBucket::<Uncapped, _>::from_state(
+        cfg,
+        clock.clone(),
+        BucketState {
+            tail: 0,
+            head: 0,
+            ceil: None,
+        },
+    )
+    .unwrap();
+    // Before the epoch (the restore at 100 s): nothing.
+    assert_eq!(b.replenish_at(Duration::from_secs(1)), 0);
+    // The end of time: the largest rate over ~292 years fills the bucket without overflow.
+    assert_eq!(b.replenish_at(Duration::MAX), BucketConfig::MAX_LIMIT);
+    assert_eq!(b.replenish_at(Duration::MAX), 0);
+}
+
+#[test]
+fn set_rate_before_the_first_replenish_keeps_the_first_fill() {
+    let (b, clock) = bucket::<Uncapped>(Rate::per_second(1), 100, 1);
+    clock.advance(Duration::from_secs(5));
+    b.set_rate(Rate::per_second(1_000)).unwrap();
+    assert_eq!(b.last_replenish(), None);
+    assert_eq!(b.replenish(), 100, "the first replenish still fills");
+    b.grab(100);
+    clock.advance(Duration::from_millis(20));
+    assert_eq!(b.replenish(), 20);
 }

@@ -575,10 +575,9 @@ fn set_rate_wakes_every_shard() {
 
 /// Issue 8, defect 3 through the dispatcher: the 10 ms before a raise earn 10 tokens at the
 /// old rate, not 10,000 at the new one, so the waiting requests (1,980 tokens still owed) are
-/// served no earlier than ~2 ms after the raise. Needs the bucket's exact `set_rate` (the
-/// bucket branch): today's bucket re-prices the past.
+/// served no earlier than ~2 ms after the raise (the bucket's `set_rate` closes the old rate's
+/// interval; `Dispatcher::set_rate` goes through it).
 #[test]
-#[ignore = "needs SharedTokenBucket::set_rate to close the old rate's interval (bucket branch)"]
 fn set_rate_counts_the_time_before_at_the_old_rate() {
     let (mut sim, _) = slow_sim(2);
     sim.run(10 * MS, Duration::from_micros(1));
