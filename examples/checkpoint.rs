@@ -16,7 +16,7 @@ use iothrottle::checkpoint::{
     Checkpoint, CheckpointConfig, CheckpointedBucket, Checkpointer, Durability, FileCheckpoint,
     RestoreOutcome,
 };
-use iothrottle::{BucketConfig, MonotonicClock, Rate, Uncapped};
+use iothrottle::{BucketConfig, MonotonicClock, Rate, Throttle, Uncapped};
 
 #[derive(Parser, Debug)]
 #[command(about = "Checkpointed token bucket: no free burst after a restart")]
@@ -42,7 +42,18 @@ struct Args {
 }
 
 #[tokio::main(flavor = "current_thread")]
-async fn main() -> Result<(), Box<dyn std::error::Error>> {
+async fn main() -> std::process::ExitCode {
+    // Errors are printed with their message (`Display`), not as a Debug struct.
+    match run().await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run() -> Result<(), Box<dyn std::error::Error>> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
@@ -123,11 +134,14 @@ async fn lives<S: Checkpoint>(
             store.clone(),
             CheckpointConfig::default().with_interval(Duration::from_millis(100)),
         )?;
+        // The throttle's waiting protocol, which also waits for the strict durable mark.
+        let throttle = Throttle::with_checkpoint(&bucket);
+        let batch = args.limit.min(1_000);
         let start = Instant::now();
         let mut granted = 0u64;
         while start.elapsed() < Duration::from_millis(args.millis) {
-            bucket.acquire(1_000).await;
-            granted += 1_000;
+            drop(throttle.acquire(batch).await?);
+            granted += batch;
         }
         let secs = start.elapsed().as_secs_f64();
         // Every acquire has returned: an idle shutdown gives an unused strict reservation back.

@@ -13,9 +13,45 @@
 //! cargo run --release --features postgres --example pg_load -- \
 //!     --url 'host=127.0.0.1 port=5439 user=postgres' --mode all --workers 8 --seconds 5
 //! ```
+//!
+//! Other measurements (issue 11), each one run:
+//!
+//! ```text
+//! # N separate OS processes on one key: total granted vs rate x W + burst (strict, leased)
+//! pg_load --url … --spawn 4 --mode all --workers 2 --seconds 5 --refill 500 --window 1
+//! # K hot keys in one leased process: each key's refill rate vs the global rate
+//! pg_load --url … --keys 64 --workers 8 --seconds 10 --leased-rate 2000 --leased-burst 2000 --max-lease 400
+//! # bytes of leased state per key held (max_keys bounds the total)
+//! pg_load --url … --memory-keys 20000 --max-keys 10000 --async-commit
+//! ```
 
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
+
+/// Counts the bytes allocated and not yet freed (for `--memory-keys`).
+struct Counting;
+
+static LIVE_BYTES: AtomicI64 = AtomicI64::new(0);
+
+// SAFETY: every call is forwarded to the system allocator unchanged; the counter is a
+// statistic (Relaxed: nothing is published through it).
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        LIVE_BYTES.fetch_add(l.size() as i64, Ordering::Relaxed);
+        // SAFETY: the caller's contract is the system allocator's.
+        unsafe { System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        LIVE_BYTES.fetch_sub(l.size() as i64, Ordering::Relaxed);
+        // SAFETY: `p` was allocated by `alloc` above with layout `l`.
+        unsafe { System.dealloc(p, l) }
+    }
+}
+
+#[global_allocator]
+static ALLOC: Counting = Counting;
 
 use clap::{Parser, ValueEnum};
 use iothrottle::pg::{
@@ -103,6 +139,33 @@ struct Args {
     /// Schema to install into.
     #[arg(long, default_value = "load_test")]
     schema: String,
+    /// Server sessions per limiter (`PgOptions::with_connections`).
+    #[arg(long, default_value_t = 4)]
+    connections: usize,
+    /// Leased: hot keys in one process (workers cycle over them); per-key rate errors are
+    /// printed. 0: one key per worker (`--ids`).
+    #[arg(long, default_value_t = 0)]
+    keys: usize,
+    /// Leased: lease period in milliseconds.
+    #[arg(long, default_value_t = 20)]
+    lease_period_ms: u64,
+    /// Leased: trickle interval in milliseconds (when the global bucket is empty).
+    #[arg(long, default_value_t = 10)]
+    trickle_ms: u64,
+    /// Strict and leased: run N separate OS processes (this program, each with its own
+    /// limiter and connections) on one shared key, and compare their total with the bound.
+    #[arg(long, default_value_t = 0)]
+    spawn: usize,
+    /// Internal: run as one of the `--spawn` children on this key.
+    #[arg(long, hide = true)]
+    child_key: Option<String>,
+    /// Measure the leased state's memory: lease one token on each of this many distinct
+    /// keys (with `--max-keys`), print bytes per key held.
+    #[arg(long, default_value_t = 0)]
+    memory_keys: usize,
+    /// Leased: the most keys kept locally.
+    #[arg(long, default_value_t = 10_000)]
+    max_keys: usize,
 }
 
 #[derive(Debug, Default, Clone)]
@@ -140,6 +203,7 @@ fn options(args: &Args) -> PgOptions {
             Iso::Serializable => Isolation::Serializable,
         })
         .with_synchronous_commit(!args.async_commit)
+        .with_connections(args.connections)
         .with_retry(
             RetryPolicy::new(
                 args.attempts,
@@ -266,9 +330,7 @@ async fn run_strict(url: &str, args: &Args, run: &str) -> Outcome {
 }
 
 async fn run_leased(url: &str, args: &Args, run: &str) -> Outcome {
-    let opts = LeaseOptions::new(args.leased_rate, args.leased_burst, args.max_lease)
-        .expect("lease options")
-        .with_lease_period(Duration::from_millis(20));
+    let opts = lease_options(args);
     let mut procs = Vec::new();
     for _ in 0..args.processes.max(1) {
         procs.push(Arc::new(
@@ -324,6 +386,281 @@ async fn run_leased(url: &str, args: &Args, run: &str) -> Outcome {
     let beyond = out.granted as f64 - (ids * args.leased_burst) as f64;
     out.rate_check = Some((beyond / out.seconds / ids as f64, args.leased_rate));
     out
+}
+
+fn lease_options(args: &Args) -> LeaseOptions {
+    LeaseOptions::new(args.leased_rate, args.leased_burst, args.max_lease)
+        .expect("lease options")
+        .with_lease_period(Duration::from_millis(args.lease_period_ms))
+        .with_trickle_interval(Duration::from_millis(args.trickle_ms))
+        .with_max_keys(args.max_keys)
+}
+
+/// `--keys N`: one process, N hot keys, workers cycling over their share of the keys.
+/// Prints each key's refill rate against the global rate (mean, worst below, worst above).
+async fn run_hot_keys(url: &str, args: &Args, run: &str) {
+    let l = Arc::new(
+        PgLeasedLimiter::connect(url, options(args), lease_options(args))
+            .await
+            .expect("connect"),
+    );
+    l.install().await.expect("install");
+    let n = args.keys;
+    let mut per_worker: Vec<Vec<(usize, iothrottle::pg::LeasedKey)>> =
+        (0..args.workers).map(|_| Vec::new()).collect();
+    for k in 0..n {
+        let key = l.key(&format!("{run}-hot-{k}")).await.expect("key");
+        per_worker[k % args.workers].push((k, key));
+    }
+    let start = Instant::now();
+    let end = start + Duration::from_secs_f64(args.seconds);
+    let mut tasks = Vec::new();
+    for mut keys in per_worker {
+        tasks.push(tokio::spawn(async move {
+            let mut granted = Vec::new();
+            let mut calls = 0u64;
+            let mut got = vec![0u64; keys.len()];
+            loop {
+                for (i, (_, key)) in keys.iter_mut().enumerate() {
+                    for _ in 0..16 {
+                        calls += 1;
+                        if let Ok(true) = key.try_acquire(1).await {
+                            got[i] += 1;
+                        }
+                    }
+                }
+                tokio::task::yield_now().await;
+                if Instant::now() >= end {
+                    break;
+                }
+            }
+            for (i, (k, _)) in keys.iter().enumerate() {
+                granted.push((*k, got[i]));
+            }
+            (granted, calls)
+        }));
+    }
+    let mut granted = vec![0u64; n];
+    let mut calls = 0;
+    for t in tasks {
+        let (g, c) = t.await.expect("worker");
+        calls += c;
+        for (k, v) in g {
+            granted[k] = v;
+        }
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let _ = l.shutdown().await;
+    let db = l.db_stats();
+    let errs: Vec<f64> = granted
+        .iter()
+        .map(|&g| (g as f64 - args.leased_burst as f64) / secs / args.leased_rate as f64 - 1.0)
+        .collect();
+    let mean = errs.iter().sum::<f64>() / n as f64;
+    let lo = errs.iter().cloned().fold(f64::INFINITY, f64::min);
+    let hi = errs.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    println!(
+        "hot keys: {n} keys in one process, {} connections, synchronous_commit={}, {:.1} s: \
+         {:.0} calls/s, {:.0} statements/s; per-key refill vs rate {}/s: mean {:+.2}%, \
+         lowest {:+.2}%, highest {:+.2}%",
+        args.connections,
+        if args.async_commit { "off" } else { "on" },
+        secs,
+        calls as f64 / secs,
+        (db.calls + db.retries) as f64 / secs,
+        args.leased_rate,
+        100.0 * mean,
+        100.0 * lo,
+        100.0 * hi
+    );
+}
+
+/// `--spawn N`: N OS processes (this program with `--child-key`) on one key; the total they
+/// granted between two readings of the server's clock against `rate × W + burst`.
+async fn run_spawned(url: &str, args: &Args, run: &str, mode: Mode) {
+    let setup = PgKeyedLimiter::connect(url, options(args))
+        .await
+        .expect("connect");
+    setup.install().await.expect("install");
+    let c = connect(url, args).await;
+    let clock = "SELECT clock_timestamp()";
+    let key = format!("{run}-spawned-{mode:?}");
+    let exe = std::env::current_exe().expect("own path");
+    // The children get this invocation's flags, without `--spawn`/`--mode` and the value
+    // that follows either.
+    let mut cleaned = Vec::new();
+    let mut skip = false;
+    let all: Vec<String> = std::env::args().skip(1).collect();
+    for a in &all {
+        if skip {
+            skip = false;
+            continue;
+        }
+        if a == "--spawn" || a == "--mode" {
+            skip = true;
+            continue;
+        }
+        if a.starts_with("--spawn=") || a.starts_with("--mode=") {
+            continue;
+        }
+        cleaned.push(a.clone());
+    }
+    let start: SystemTime = c.query_one(clock, &[]).await.expect("clock").get(0);
+    let children: Vec<_> = (0..args.spawn)
+        .map(|_| {
+            std::process::Command::new(&exe)
+                .args(&cleaned)
+                .args([
+                    "--mode",
+                    if mode == Mode::Strict {
+                        "strict"
+                    } else {
+                        "leased"
+                    },
+                ])
+                .args(["--child-key", &key])
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .expect("spawn")
+        })
+        .collect();
+    let mut total = 0u64;
+    for ch in children {
+        let out = ch.wait_with_output().expect("child");
+        let text = String::from_utf8_lossy(&out.stdout);
+        total += text
+            .lines()
+            .find_map(|l| l.strip_prefix("GRANTED="))
+            .unwrap_or_else(|| panic!("child output: {text}"))
+            .trim()
+            .parse::<u64>()
+            .expect("count");
+    }
+    let end: SystemTime = c.query_one(clock, &[]).await.expect("clock").get(0);
+    let w = end
+        .duration_since(start)
+        .expect("clock forward")
+        .as_secs_f64();
+    let (rate, burst, slack) = match mode {
+        Mode::Strict => (
+            args.refill as f64,
+            (args.refill as i64 * args.window as i64) as f64,
+            0.0,
+        ),
+        _ => (
+            args.leased_rate as f64,
+            args.leased_burst as f64,
+            (args.spawn as u64 * args.max_lease) as f64,
+        ),
+    };
+    let ideal = rate * w + burst;
+    println!(
+        "{mode:?}, {} processes on one key for {w:.2} s: granted {total}, rate x W + burst = \
+         {ideal:.0} ({:+.2}%), bound with K x max_lease = {:.0}: {}",
+        args.spawn,
+        100.0 * (total as f64 / ideal - 1.0),
+        ideal + slack,
+        if (total as f64) <= ideal + slack {
+            "within"
+        } else {
+            "ABOVE"
+        }
+    );
+}
+
+/// A `--spawn` child: drive `key` for `--seconds` and print `GRANTED=n`.
+async fn run_child(url: &str, args: &Args, key: &str) {
+    let end = Instant::now() + Duration::from_secs_f64(args.seconds);
+    let mut total = 0u64;
+    if args.mode == Mode::Strict {
+        let l = Arc::new(
+            PgKeyedLimiter::connect(url, options(args))
+                .await
+                .expect("connect"),
+        );
+        let mut tasks = Vec::new();
+        for _ in 0..args.workers {
+            let (l, key) = (l.clone(), key.to_owned());
+            let (refill, window) = (args.refill, args.window);
+            tasks.push(tokio::spawn(async move {
+                let mut g = 0u64;
+                while Instant::now() < end {
+                    if let Ok(left) = l.request(&key, refill, window).await {
+                        g += u64::from(left >= 0);
+                    }
+                }
+                g
+            }));
+        }
+        for t in tasks {
+            total += t.await.expect("worker");
+        }
+    } else {
+        let l = PgLeasedLimiter::connect(url, options(args), lease_options(args))
+            .await
+            .expect("connect");
+        let mut tasks = Vec::new();
+        for _ in 0..args.workers {
+            let mut k = l.key(key).await.expect("key");
+            tasks.push(tokio::spawn(async move {
+                let mut g = 0u64;
+                while Instant::now() < end {
+                    for _ in 0..64 {
+                        g += u64::from(matches!(k.try_acquire(1).await, Ok(true)));
+                    }
+                    tokio::task::yield_now().await;
+                }
+                g
+            }));
+        }
+        for t in tasks {
+            total += t.await.expect("worker");
+        }
+        let _ = l.shutdown().await;
+    }
+    println!("GRANTED={total}");
+}
+
+/// `--memory-keys N`: bytes of leased state per key held.
+async fn run_memory(url: &str, args: &Args, run: &str) {
+    let l = PgLeasedLimiter::connect(
+        url,
+        options(args),
+        lease_options(args).with_max_keys(args.max_keys),
+    )
+    .await
+    .expect("connect");
+    l.install().await.expect("install");
+    // Warm up the connections and statement caches before measuring.
+    for i in 0..args.connections * 8 {
+        let _ = l.try_acquire_one(&format!("{run}-warm-{i}")).await;
+    }
+    let _ = l.shutdown().await;
+    let before = LIVE_BYTES.load(Ordering::Relaxed);
+    let start = Instant::now();
+    for i in 0..args.memory_keys {
+        let _ = l.try_acquire_one(&format!("{run}-m-{i:09}")).await;
+    }
+    let held = args.memory_keys.min(args.max_keys);
+    let grown = LIVE_BYTES.load(Ordering::Relaxed) - before;
+    let stats = l.stats();
+    println!(
+        "memory: {} distinct keys in {:.1} s, max_keys {}, {} evictions: {} bytes live for {} \
+         keys held = {:.0} bytes per key (key names of {} bytes included)",
+        args.memory_keys,
+        start.elapsed().as_secs_f64(),
+        args.max_keys,
+        stats.evictions,
+        grown,
+        held,
+        grown as f64 / held as f64,
+        format!("{run}-m-000000000").len()
+    );
+    let _ = l.shutdown().await;
+    println!(
+        "memory: after shutdown {} bytes live above the start",
+        LIVE_BYTES.load(Ordering::Relaxed) - before
+    );
 }
 
 async fn collect(
@@ -420,6 +757,26 @@ async fn main() {
             .expect("time")
             .as_millis()
     );
+    if let Some(key) = args.child_key.clone() {
+        run_child(&url, &args, &key).await;
+        return;
+    }
+    if args.memory_keys > 0 {
+        run_memory(&url, &args, &run).await;
+        return;
+    }
+    if args.keys > 0 {
+        run_hot_keys(&url, &args, &run).await;
+        return;
+    }
+    if args.spawn > 0 {
+        for m in [Mode::Strict, Mode::Leased] {
+            if args.mode == m || args.mode == Mode::All {
+                run_spawned(&url, &args, &run, m).await;
+            }
+        }
+        return;
+    }
     let modes: &[Mode] = match args.mode {
         Mode::All => &[Mode::Reference, Mode::Classic, Mode::Strict, Mode::Leased],
         Mode::Reference => &[Mode::Reference],

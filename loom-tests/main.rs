@@ -1,5 +1,7 @@
-//! Loom models of the crate's atomic protocols, one submodule per protocol: the bucket's, and
-//! the dispatcher's fairness counters and fine timer (`dispatcher_*`).
+//! Loom models of the crate's atomic protocols, one submodule per protocol: the bucket's, the
+//! throttle's deferred give-backs and close (`throttle_deferred`), the strict checkpoint's
+//! mark/request protocol (`checkpoint_mark`), the dispatcher's fairness counters and fine timer
+//! (`dispatcher_*`).
 //!
 //! Run with
 //! `RUSTFLAGS="--cfg iothrottle_loom" LOOM_MAX_PREEMPTIONS=2 cargo test --release --test loom`
@@ -19,6 +21,7 @@
 mod common;
 
 mod capped;
+mod checkpoint_mark;
 mod dispatcher_fair;
 mod dispatcher_timer;
 mod fresh;
@@ -26,3 +29,4 @@ mod grab;
 mod mixed;
 mod rate;
 mod replenish;
+mod throttle_deferred;

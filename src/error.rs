@@ -207,6 +207,15 @@ pub enum CheckpointError {
         /// What is wrong.
         reason: &'static str,
     },
+    /// The store holds a newer save: a save never replaces a higher
+    /// [`seq`](crate::checkpoint::Snapshot::seq) (saves are totally ordered in the store).
+    #[error("checkpoint save {seq} refused: the store already holds save {stored}")]
+    Superseded {
+        /// The refused save's sequence number.
+        seq: u64,
+        /// The stored snapshot's sequence number.
+        stored: u64,
+    },
     /// The background checkpointer has stopped (its task ended or panicked).
     #[error("the checkpointer has stopped")]
     Stopped,
@@ -305,6 +314,12 @@ pub enum BuildError {
     /// A per-class bandwidth cap of zero bytes per second.
     #[error("class {class:?}: a bandwidth cap must be positive")]
     ZeroBandwidthCap {
+        /// The class's name.
+        class: String,
+    },
+    /// A latency target of zero.
+    #[error("class {class:?}: a latency target must be positive")]
+    ZeroLatencyTarget {
         /// The class's name.
         class: String,
     },
@@ -563,7 +578,7 @@ pub enum PgLimitError {
         schema: String,
     },
     /// A serialization failure (40001) or deadlock (40P01) persisted through every attempt.
-    #[error("gave up after {attempts} attempts, the last failed with SQLSTATE {sqlstate}")]
+    #[error("gave up after {attempts} attempts, the last failed with {}", pg_error_text(.source))]
     RetriesExhausted {
         /// Attempts made.
         attempts: u32,
@@ -575,14 +590,35 @@ pub enum PgLimitError {
     },
     /// The connection failed or was closed while a statement was in flight. Whether that
     /// statement committed is unknown; the next call reconnects.
-    #[error("connection to PostgreSQL lost (the outcome of the call is unknown): {source}")]
+    #[error(
+        "connection to PostgreSQL lost (the outcome of the call is unknown): {}",
+        pg_error_text(.source)
+    )]
     Connection {
         /// The driver's error.
         #[source]
         source: tokio_postgres::Error,
     },
+    /// A call took longer than its timeout; its outcome is unknown, and its connection was
+    /// dropped (the next call reconnects).
+    #[error("the call took longer than {after:?} (the outcome is unknown)")]
+    TimedOut {
+        /// The timeout.
+        after: std::time::Duration,
+    },
+    /// The server could not be reached a moment ago; calls fail at once until the reconnect
+    /// back-off has passed.
+    #[error(
+        "PostgreSQL unavailable, next connection attempt in {retry_in:?}; last failure: {why}"
+    )]
+    Unavailable {
+        /// When the next connection attempt will be made.
+        retry_in: std::time::Duration,
+        /// The last connection failure, as text (SQLSTATE and message, or the socket error).
+        why: String,
+    },
     /// Any other error from the server, with its SQLSTATE.
-    #[error("PostgreSQL error {sqlstate}: {source}")]
+    #[error("PostgreSQL error {}", pg_error_text(.source))]
     Db {
         /// The SQLSTATE code (five characters), or `"?????"` when the server sent none.
         sqlstate: String,
@@ -590,4 +626,34 @@ pub enum PgLimitError {
         #[source]
         source: tokio_postgres::Error,
     },
+}
+
+/// A driver error as text for `Display`: the server's SQLSTATE, severity, message, and detail
+/// and hint when present (`57P01 FATAL: terminating connection due to administrator
+/// command`); without a server error, the driver's message and its causes (`error connecting
+/// to server: Connection refused (os error 111)`).
+#[cfg(feature = "postgres")]
+pub(crate) fn pg_error_text(e: &tokio_postgres::Error) -> String {
+    if let Some(db) = e.as_db_error() {
+        let mut s = format!("{} {}: {}", db.code().code(), db.severity(), db.message());
+        if let Some(d) = db.detail() {
+            s.push_str(" (detail: ");
+            s.push_str(d);
+            s.push(')');
+        }
+        if let Some(h) = db.hint() {
+            s.push_str(" (hint: ");
+            s.push_str(h);
+            s.push(')');
+        }
+        return s;
+    }
+    let mut s = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(c) = source {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        source = c.source();
+    }
+    s
 }

@@ -11,6 +11,7 @@
 mod imp {
     pub(crate) use loom::sync::atomic::{fence, AtomicU64, Ordering};
     pub(crate) use loom::sync::Arc;
+    pub(crate) use loom::sync::{Mutex, MutexGuard};
     pub(crate) use loom::thread;
 
     /// Backs off inside a retry loop; under loom this lets the other threads run.
@@ -23,6 +24,7 @@ mod imp {
 mod imp {
     pub(crate) use std::sync::atomic::{fence, AtomicU64, Ordering};
     pub(crate) use std::sync::Arc;
+    pub(crate) use std::sync::{Mutex, MutexGuard};
     pub(crate) use std::thread;
 
     /// Backs off inside a retry loop.

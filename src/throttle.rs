@@ -16,23 +16,32 @@
 //!   replenish or a refund) issues a **SeqCst fence** and then loads `deferred_len`. This is the
 //!   store-buffer (Dekker) pattern: with the two fences, at least one side sees the other's
 //!   write, so a deferred give-back is never stranded behind a `head` that already passed it.
-//!   The list itself is behind a mutex (cancellation is the rare path).
+//!   The list itself is behind a mutex (cancellation is the rare path): a `BTreeMap` keyed by
+//!   the wrap-safe offset of each give-back's start from a base that no live start is behind,
+//!   so a give-back and each refund it unblocks cost O(log N). This protocol is
+//!   `DeferredGiveBacks`, built on `crate::sync` only, and loom-modelled
+//!   (`loom-tests/throttle_deferred.rs`).
+//! - `granted` and `cancelled` (the [`stats`](Throttle::stats) counters): **Relaxed**
+//!   `fetch_add`, statistics that order nothing.
 //! - `waiters`: **Relaxed**. It only decides whether a give-back bothers to call
 //!   `notify_waiters`. A missed notification costs latency, never a hang: every sleeping waiter
 //!   also has a timer for the time its tokens accrue at the current rate.
 #![doc = include_str!("../docs/throttle.md")]
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::pin::pin;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::Duration;
 
+use crossbeam_utils::CachePadded;
 use tokio::sync::Notify;
 
-use crate::bucket::{ahead, BucketConfig, Mode, Rate, SharedTokenBucket, Uncapped};
+use crate::bucket::{ahead, BucketConfig, Capped, Mode, Rate, SharedTokenBucket, Uncapped};
+use crate::checkpoint::{CheckpointedBucket, MarkGate};
 use crate::clock::{Clock, MonotonicClock};
 use crate::error::{AcquireError, ConfigError, TryAcquireError};
-use crate::sync::{fence, AtomicU64, Ordering};
+use crate::sync::{fence, AtomicU64, Mutex, Ordering};
 
 /// An async throttle over a [`SharedTokenBucket`]: `acquire(cost).await` waits, in line, until
 /// `cost` tokens are there.
@@ -83,28 +92,40 @@ struct Shared<M: Mode, C: Clock> {
     bucket: Arc<SharedTokenBucket<M, C>>,
     /// Woken on close, on a rate change and on give-backs: sleeping waiters recompute.
     changed: Notify,
-    /// 1 once closed.
-    closed: AtomicU64,
     /// Claims that entered the slow path and are not finished (decides whether a give-back
     /// notifies).
     waiters: AtomicU64,
-    /// Give-backs of claims that `head` has not reached yet: `(start, tokens)`. Refunding them
-    /// at once would serve the claims in front early; they are refunded when `head` reaches
-    /// `start`, which is exactly as if the claim had never been made.
-    deferred: Mutex<Vec<(u64, u64)>>,
-    /// `deferred.len()`, readable without the lock.
-    deferred_len: AtomicU64,
+    /// Give-backs of claims that `head` has not reached yet.
+    deferred: DeferredGiveBacks,
+    /// The checkpoint layer: grabs past its durable mark wait for it.
+    gate: Option<Arc<MarkGate>>,
+    /// Statistics.
+    counters: CachePadded<ThrottleCounters>,
+}
+
+#[derive(Debug, Default)]
+struct ThrottleCounters {
+    granted: AtomicU64,
+    cancelled: AtomicU64,
+}
+
+/// A snapshot of a [`Throttle`]'s counters ([`Throttle::stats`]). Each field is read on its own
+/// (relaxed): they are consistent one by one, not with each other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct ThrottleStats {
+    /// Tokens granted (in permits) since the throttle was made.
+    pub granted_tokens: u64,
+    /// `acquire` calls waiting now (past the fast path, not finished).
+    pub waiting: u64,
+    /// Claims given back unserved: cancelled or failed `acquire`s (dropped, closed) and
+    /// `try_acquire`s that lost a race.
+    pub cancelled: u64,
 }
 
 impl<M: Mode, C: Clock> Shared<M, C> {
     fn is_closed(&self) -> bool {
-        // SeqCst: see the module doc (close vs. a waiter registering).
-        self.closed.load(Ordering::SeqCst) != 0
-    }
-
-    fn deferred(&self) -> MutexGuard<'_, Vec<(u64, u64)>> {
-        // A panic while holding the lock cannot leave the Vec inconsistent (push/swap_remove).
-        self.deferred.lock().unwrap_or_else(|e| e.into_inner())
+        self.deferred.is_closed()
     }
 
     /// Replenishes at `now`, then applies the deferred give-backs that `head` has reached.
@@ -116,59 +137,21 @@ impl<M: Mode, C: Clock> Shared<M, C> {
     /// To be called after `head` may have moved: applies reached give-backs (and wakes the
     /// waiters when it did).
     fn after_head_moved(&self) {
-        // SeqCst fence: the store-buffer pattern with `give_back` (see the module doc).
-        fence(Ordering::SeqCst);
-        // Relaxed: ordered by the fence above.
-        if self.deferred_len.load(Ordering::Relaxed) != 0 && self.drain(false) {
+        if self.deferred.after_head_moved(&self.bucket) {
             self.wake_waiters();
         }
     }
 
-    /// Refunds every deferred give-back that `head` has reached (all of them when `force`).
-    /// Returns whether anything was refunded.
-    fn drain(&self, force: bool) -> bool {
-        let mut list = self.deferred();
-        let mut refunded = false;
-        // A refund moves head, which may reach further entries: loop until none is ready.
-        while let Some(i) = list
-            .iter()
-            .position(|&(start, _)| force || self.bucket.deficiency(start) == 0)
-        {
-            let (_, tokens) = list.swap_remove(i);
-            // SeqCst: as the increment in `give_back` (the count only changes under the lock).
-            self.deferred_len.fetch_sub(1, Ordering::SeqCst);
-            self.bucket.refund(tokens);
-            refunded = true;
-        }
-        refunded
-    }
-
-    /// Gives back the claim `(start, start + tokens]`, never served.
-    ///
-    /// If `head` has reached `start`, everything before the claim is served and a refund now is
-    /// exactly "as if the claim had never been made". Otherwise the refund waits in `deferred`
-    /// until `head` gets there. A closed throttle refunds at once (everyone ahead is leaving).
+    /// Gives back the claim `(start, start + tokens]`, never served (see
+    /// [`DeferredGiveBacks::give_back`]).
     fn give_back(&self, start: u64, tokens: u64) {
         if tokens == 0 {
             return;
         }
-        if self.is_closed() || self.bucket.deficiency(start) == 0 {
-            self.bucket.refund(tokens);
-            self.after_head_moved();
+        // Relaxed: a statistic.
+        self.counters.cancelled.fetch_add(1, Ordering::Relaxed);
+        if self.deferred.give_back(&self.bucket, start, tokens) {
             self.wake_waiters();
-        } else {
-            {
-                let mut list = self.deferred();
-                list.push((start, tokens));
-                // SeqCst: the store of the store-buffer pattern (see the module doc).
-                self.deferred_len.fetch_add(1, Ordering::SeqCst);
-            }
-            // SeqCst fence, then read head (in `drain`): head may have passed `start` while we
-            // pushed, and its mover may have missed our entry.
-            fence(Ordering::SeqCst);
-            if self.drain(self.is_closed()) {
-                self.wake_waiters();
-            }
         }
     }
 
@@ -205,13 +188,24 @@ impl<M: Mode, C: Clock> Drop for Shared<M, C> {
     fn drop(&mut self) {
         // The last handle is gone: nobody will reach the deferred give-backs any more. Refund
         // them so that a bucket shared with others does not lose them (capped: `ceil`).
-        self.drain(true);
+        self.deferred.drain(&self.bucket, true);
     }
 }
 
-impl<M: Mode> Throttle<M, MonotonicClock> {
-    /// A throttle over a new bucket on a [`MonotonicClock`].
+impl Throttle<Uncapped, MonotonicClock> {
+    /// A throttle over a new [`Uncapped`] bucket on a [`MonotonicClock`]:
+    /// `Throttle::new(config)`, no type annotation needed. For a capped bucket see
+    /// [`new_capped`](Throttle::new_capped); for another clock,
+    /// [`with_clock`](Throttle::with_clock).
     pub fn new(config: BucketConfig) -> Result<Self, ConfigError> {
+        Ok(Self::from_bucket(Arc::new(SharedTokenBucket::new(config)?)))
+    }
+}
+
+impl Throttle<Capped, MonotonicClock> {
+    /// A throttle over a new [`Capped`] bucket on a [`MonotonicClock`]:
+    /// `Throttle::new_capped(config)`.
+    pub fn new_capped(config: BucketConfig) -> Result<Self, ConfigError> {
         Ok(Self::from_bucket(Arc::new(SharedTokenBucket::new(config)?)))
     }
 }
@@ -230,15 +224,47 @@ impl<M: Mode, C: Clock> Throttle<M, C> {
     /// A throttle over an existing bucket, which others (other throttles, a dispatcher) may
     /// share. The waiters' timers assume that the bucket's clock runs with tokio's time.
     pub fn from_bucket(bucket: Arc<SharedTokenBucket<M, C>>) -> Self {
+        Self::from_parts(bucket, None)
+    }
+
+    /// A throttle over a checkpointed bucket: besides waiting for tokens, a claim past the
+    /// durable reservation mark ([`Durability::Strict`](crate::checkpoint::Durability)) waits,
+    /// without polling, until the [`Checkpointer`](crate::checkpoint::Checkpointer) has saved
+    /// a mark that covers it. Everything else is the throttle's own protocol: cancel safe (a
+    /// dropped `acquire` gives back exactly what it grabbed), FIFO, a cost above the limit is
+    /// [`AcquireError::CostExceedsLimit`]. In periodic mode it is a plain throttle over the
+    /// bucket.
+    ///
+    /// Each call makes a new throttle (its own waiters and deferred give-backs): make one and
+    /// clone it.
+    pub fn with_checkpoint(checkpointed: &CheckpointedBucket<M, C>) -> Self {
+        Self::from_parts(
+            Arc::clone(checkpointed.shared_bucket()),
+            Some(Arc::clone(checkpointed.gate())),
+        )
+    }
+
+    fn from_parts(bucket: Arc<SharedTokenBucket<M, C>>, gate: Option<Arc<MarkGate>>) -> Self {
         Throttle {
             shared: Arc::new(Shared {
                 bucket,
                 changed: Notify::new(),
-                closed: AtomicU64::new(0),
                 waiters: AtomicU64::new(0),
-                deferred: Mutex::new(Vec::new()),
-                deferred_len: AtomicU64::new(0),
+                deferred: DeferredGiveBacks::new(),
+                gate,
+                counters: CachePadded::new(ThrottleCounters::default()),
             }),
+        }
+    }
+
+    /// The throttle's counters, read with relaxed loads (cheap; nothing is reset).
+    pub fn stats(&self) -> ThrottleStats {
+        let c = &self.shared.counters;
+        // Relaxed: statistics.
+        ThrottleStats {
+            granted_tokens: c.granted.load(Ordering::Relaxed),
+            waiting: self.shared.waiters.load(Ordering::Relaxed),
+            cancelled: c.cancelled.load(Ordering::Relaxed),
         }
     }
 
@@ -262,11 +288,10 @@ impl<M: Mode, C: Clock> Throttle<M, C> {
     /// Closes the throttle: every waiter returns [`AcquireError::Closed`] (and gives its tokens
     /// back), and every later `acquire`/`try_acquire` fails. Permits already granted stay valid.
     pub fn close(&self) {
-        // SeqCst: see the module doc.
-        self.shared.closed.store(1, Ordering::SeqCst);
+        // Sets the flag (SeqCst, see the module doc), then refunds the deferred give-backs:
+        // nobody will be served before them any more.
+        self.shared.deferred.close(&self.shared.bucket);
         self.shared.changed.notify_waiters();
-        // Nobody will be served before the deferred give-backs any more.
-        self.shared.drain(true);
     }
 
     /// Whether [`close`](Self::close) was called.
@@ -305,6 +330,7 @@ impl<M: Mode, C: Clock + 'static> Throttle<M, C> {
         }
         let shared = &*self.shared;
         let bucket = &*shared.bucket;
+        let gate = shared.gate.as_deref();
         let tail = bucket.grab(cost);
         let mut claim = Claim {
             shared,
@@ -312,8 +338,12 @@ impl<M: Mode, C: Clock + 'static> Throttle<M, C> {
             tokens: cost,
             waiting: false,
         };
-        // Fast path: one fetch_add and one load.
-        if bucket.deficiency(tail) == 0 {
+        if let Some(gate) = gate {
+            gate.on_grab(tail);
+        }
+        let gated = |tail| gate.is_some_and(|g| g.blocks(tail));
+        // Fast path: one fetch_add and one load (and the mark's load, checkpointed).
+        if bucket.deficiency(tail) == 0 && !gated(tail) {
             return Ok(claim.grant(&shared.bucket));
         }
         // Slow path.
@@ -330,6 +360,21 @@ impl<M: Mode, C: Clock + 'static> Throttle<M, C> {
             if shared.is_closed() {
                 return Err(AcquireError::Closed);
             }
+            if let Some(gate) = gate.filter(|g| g.blocks(tail)) {
+                // Past the durable mark: sleep until the checkpointer publishes a new one
+                // (registered before the check, so a publish in between still wakes us).
+                let mut moved = pin!(gate.mark_moved());
+                moved.as_mut().enable();
+                if gate.blocks(tail) {
+                    gate.request();
+                    tokio::select! {
+                        biased;
+                        _ = &mut notified => {}
+                        _ = moved => {}
+                    }
+                    continue;
+                }
+            }
             let now = bucket.clock().now();
             // Waiters replenish for themselves: nobody else has to.
             if let Some(due) = due.take().filter(|&due| due < now) {
@@ -339,12 +384,18 @@ impl<M: Mode, C: Clock + 'static> Throttle<M, C> {
                 // bucket. See "Timer precision and late wake-ups" in docs/throttle.md.
                 shared.replenish_at(due.max(now.saturating_sub(shared.catch_up())));
                 if bucket.deficiency(tail) == 0 {
+                    if gated(tail) {
+                        continue;
+                    }
                     return Ok(claim.grant(&shared.bucket));
                 }
             }
             shared.replenish_at(now);
             let missing = bucket.deficiency(tail);
             if missing == 0 {
+                if gated(tail) {
+                    continue;
+                }
                 return Ok(claim.grant(&shared.bucket));
             }
             let delay = shared.delay_for(missing, now);
@@ -397,7 +448,11 @@ impl<M: Mode, C: Clock + 'static> Throttle<M, C> {
         // `available() > 0` means head is in front of tail: nobody is queued.
         if bucket.available() >= cost {
             let tail = bucket.grab(cost);
-            if bucket.deficiency(tail) == 0 {
+            let gate = shared.gate.as_deref();
+            if let Some(gate) = gate {
+                gate.on_grab(tail);
+            }
+            if bucket.deficiency(tail) == 0 && !gate.is_some_and(|g| g.blocks(tail)) {
                 let claim = Claim {
                     shared,
                     start: tail.wrapping_sub(cost),
@@ -406,8 +461,8 @@ impl<M: Mode, C: Clock + 'static> Throttle<M, C> {
                 };
                 return Ok(claim.grant(&shared.bucket));
             }
-            // Another thread grabbed between our check and our grab: give ours back (deferred
-            // if that thread is now waiting in front of us).
+            // Another thread grabbed between our check and our grab, or the tokens are past the
+            // durable mark: give ours back (deferred if someone is waiting in front of us).
             shared.give_back(tail.wrapping_sub(cost), cost);
         }
         let state = bucket.snapshot();
@@ -453,10 +508,7 @@ impl<M: Mode, C: Clock> fmt::Debug for Throttle<M, C> {
             .field("closed", &self.shared.is_closed())
             // Relaxed: a snapshot for display.
             .field("waiters", &self.shared.waiters.load(Ordering::Relaxed))
-            .field(
-                "deferred",
-                &self.shared.deferred_len.load(Ordering::Relaxed),
-            )
+            .field("deferred", &self.shared.deferred.len())
             .finish()
     }
 }
@@ -474,8 +526,14 @@ impl<M: Mode, C: Clock + 'static> Claim<'_, M, C> {
     /// The tokens are there: they become a permit.
     fn grant(mut self, bucket: &Arc<SharedTokenBucket<M, C>>) -> Permit<M, C> {
         let tokens = std::mem::take(&mut self.tokens);
+        // Relaxed: a statistic.
+        self.shared
+            .counters
+            .granted
+            .fetch_add(tokens, Ordering::Relaxed);
         Permit {
             tokens,
+            tail: self.start.wrapping_add(tokens),
             bucket: M::CAPPED.then(|| Arc::clone(bucket)),
         }
     }
@@ -494,7 +552,7 @@ impl<M: Mode, C: Clock> Drop for Claim<'_, M, C> {
 
 /// Tokens granted by a [`Throttle`].
 ///
-/// In [`Capped`](crate::Capped) mode the permit stands for work in flight: dropping it (or calling
+/// In [`Capped`] mode the permit stands for work in flight: dropping it (or calling
 /// [`complete`](Self::complete)) releases exactly its tokens to the bucket's `ceil`, so that the
 /// bucket may fill again. Every permit is released exactly once, whatever happens to the work:
 /// the capped-release leak (tokens grabbed but never released) cannot happen. In [`Uncapped`]
@@ -502,6 +560,8 @@ impl<M: Mode, C: Clock> Drop for Claim<'_, M, C> {
 #[must_use = "in capped mode, dropping the permit at once reports the work as completed"]
 pub struct Permit<M: Mode = Uncapped, C: Clock + 'static = MonotonicClock> {
     tokens: u64,
+    /// The bucket position the claim ends at (0 for an empty permit).
+    tail: u64,
     /// Capped mode only: where to release the tokens.
     bucket: Option<Arc<SharedTokenBucket<M, C>>>,
 }
@@ -510,6 +570,7 @@ impl<M: Mode, C: Clock + 'static> Permit<M, C> {
     fn empty() -> Self {
         Permit {
             tokens: 0,
+            tail: 0,
             bucket: None,
         }
     }
@@ -517,6 +578,13 @@ impl<M: Mode, C: Clock + 'static> Permit<M, C> {
     /// How many tokens this permit holds.
     pub fn tokens(&self) -> u64 {
         self.tokens
+    }
+
+    /// The bucket position this permit's claim ends at (positions wrap: compare them with
+    /// wrapping differences); `None` for a permit of 0 tokens, which claimed nothing. With a
+    /// strict checkpoint every position up to it is under the durable reservation mark.
+    pub fn tail(&self) -> Option<u64> {
+        (self.tokens > 0).then_some(self.tail)
     }
 
     /// Reports the work as completed (capped mode: releases the tokens). Same as dropping the
@@ -542,6 +610,181 @@ impl<M: Mode, C: Clock + 'static> fmt::Debug for Permit<M, C> {
             .finish()
     }
 }
+
+/// The deferred give-backs' core, public only to the loom build.
+mod deferred {
+    use super::*;
+
+    /// The deferred give-backs of one throttle: claims given back before `head` reached them.
+    ///
+    /// Refunding such a claim at once would serve the claims in front of it early; it is refunded
+    /// when `head` reaches its start, exactly as if it had never been made. Built on `crate::sync`
+    /// only, so that loom models the handshake with whoever moves `head` (see the module's
+    /// orderings).
+    ///
+    /// # Invariants
+    ///
+    /// - `len` equals the number of entries (changed only under the lock).
+    /// - Entries are keyed by `start - base` (wrapping); `base` is a `head` value read under the
+    ///   lock when the map was empty, so `base ≤ head` from then on and every entry's start is at
+    ///   or after `base`: keys order starts correctly across the wrap of the rovers (for 2^63
+    ///   tokens after `base`). A give-back whose start is behind `base` is already reached and is
+    ///   refunded at once.
+    /// - An entry is refunded only when `head` has reached its start (or on a forced drain: the
+    ///   throttle closed or dropped); starts are distinct, so the smallest key is the first due.
+    #[cfg_attr(not(iothrottle_loom), allow(unreachable_pub))]
+    pub struct DeferredGiveBacks {
+        inner: Mutex<DeferredInner>,
+        /// The number of entries, readable without the lock.
+        len: AtomicU64,
+        /// 1 once closed: give-backs are refunded at once.
+        closed: AtomicU64,
+    }
+
+    struct DeferredInner {
+        base: u64,
+        /// `start - base` → tokens.
+        map: BTreeMap<u64, u64>,
+    }
+
+    #[cfg_attr(not(iothrottle_loom), allow(unreachable_pub))]
+    impl DeferredGiveBacks {
+        /// No give-backs.
+        pub fn new() -> Self {
+            DeferredGiveBacks {
+                inner: Mutex::new(DeferredInner {
+                    base: 0,
+                    map: BTreeMap::new(),
+                }),
+                len: AtomicU64::new(0),
+                closed: AtomicU64::new(0),
+            }
+        }
+
+        /// Whether [`close`](Self::close) was called.
+        pub fn is_closed(&self) -> bool {
+            // SeqCst: see the module doc (close vs. a waiter registering, vs. a give-back).
+            self.closed.load(Ordering::SeqCst) != 0
+        }
+
+        /// Closes: every entry is refunded now, and every later give-back at once (everyone ahead
+        /// is leaving).
+        pub fn close<M: Mode, C: Clock>(&self, bucket: &SharedTokenBucket<M, C>) {
+            // SeqCst: a give-back that inserted after our drain took the lock reads it (and drains).
+            self.closed.store(1, Ordering::SeqCst);
+            self.drain(bucket, true);
+        }
+
+        fn lock(&self) -> crate::sync::MutexGuard<'_, DeferredInner> {
+            // A panic while holding the lock cannot leave the map inconsistent with `len` (each
+            // change of one is followed by the other's before any call that can panic).
+            self.inner.lock().unwrap_or_else(|e| e.into_inner())
+        }
+
+        /// Entries waiting.
+        pub fn len(&self) -> u64 {
+            // Relaxed: a snapshot for display.
+            self.len.load(Ordering::Relaxed)
+        }
+
+        /// Gives back the claim `(start, start + tokens]` of `bucket`, never served.
+        ///
+        /// If `head` has reached `start` (or the throttle is closed: everyone ahead is leaving),
+        /// the tokens are refunded now. Otherwise they wait until `head` gets there. Returns
+        /// whether anything was refunded (the caller wakes its waiters).
+        pub fn give_back<M: Mode, C: Clock>(
+            &self,
+            bucket: &SharedTokenBucket<M, C>,
+            start: u64,
+            tokens: u64,
+        ) -> bool {
+            if tokens == 0 {
+                return false;
+            }
+            if self.is_closed() || bucket.deficiency(start) == 0 {
+                bucket.refund(tokens);
+                self.after_head_moved(bucket);
+                return true;
+            }
+            {
+                let mut inner = self.lock();
+                if inner.map.is_empty() {
+                    inner.base = bucket.snapshot().head;
+                }
+                let off = start.wrapping_sub(inner.base);
+                if (off as i64) < 0 {
+                    // Behind `base`, which `head` has passed: reached already.
+                    drop(inner);
+                    bucket.refund(tokens);
+                    self.after_head_moved(bucket);
+                    return true;
+                }
+                *inner.map.entry(off).or_insert(0) += tokens;
+                // SeqCst: the store of the store-buffer pattern (see the module doc).
+                self.len.store(inner.map.len() as u64, Ordering::SeqCst);
+            }
+            // SeqCst fence, then read head (in `drain`): head may have passed `start` while we
+            // inserted, and its mover may have missed our entry. And a close whose drain ran
+            // before our insert: its flag store precedes that drain's lock, which precedes ours.
+            fence(Ordering::SeqCst);
+            self.drain(bucket, self.is_closed())
+        }
+
+        /// To be called after `head` moved: refunds the entries it reached. Returns whether it did.
+        pub fn after_head_moved<M: Mode, C: Clock>(
+            &self,
+            bucket: &SharedTokenBucket<M, C>,
+        ) -> bool {
+            // SeqCst fence: the store-buffer pattern with `give_back` (see the module doc).
+            fence(Ordering::SeqCst);
+            // Relaxed: ordered by the fence above.
+            self.len.load(Ordering::Relaxed) != 0 && self.drain(bucket, false)
+        }
+
+        /// Refunds every entry that `head` has reached (all of them when `force`), smallest start
+        /// first: a refund moves `head`, which may reach the next one. Returns whether anything was
+        /// refunded.
+        pub fn drain<M: Mode, C: Clock>(
+            &self,
+            bucket: &SharedTokenBucket<M, C>,
+            force: bool,
+        ) -> bool {
+            let mut inner = self.lock();
+            let mut refunded = false;
+            while let Some((&off, _)) = inner.map.first_key_value() {
+                let start = inner.base.wrapping_add(off);
+                if !force && bucket.deficiency(start) != 0 {
+                    break;
+                }
+                let tokens = inner.map.remove(&off).unwrap_or(0);
+                // SeqCst: as the store in `give_back` (the count only changes under the lock).
+                self.len.store(inner.map.len() as u64, Ordering::SeqCst);
+                bucket.refund(tokens);
+                refunded = true;
+            }
+            refunded
+        }
+    }
+
+    impl Default for DeferredGiveBacks {
+        fn default() -> Self {
+            Self::new()
+        }
+    }
+
+    impl fmt::Debug for DeferredGiveBacks {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.debug_struct("DeferredGiveBacks")
+                .field("len", &self.len())
+                .finish()
+        }
+    }
+}
+
+#[cfg(iothrottle_loom)]
+pub use deferred::DeferredGiveBacks;
+#[cfg(not(iothrottle_loom))]
+use deferred::DeferredGiveBacks;
 
 #[cfg(test)]
 mod tests {

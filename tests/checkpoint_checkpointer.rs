@@ -8,7 +8,9 @@ use std::time::Duration;
 use iothrottle::checkpoint::{
     Checkpoint, CheckpointConfig, CheckpointedBucket, Checkpointer, Durability, Snapshot,
 };
-use iothrottle::{BucketConfig, CheckpointError, Rate, SharedTokenBucket, TokioClock, Uncapped};
+use iothrottle::{
+    BucketConfig, CheckpointError, Rate, SharedTokenBucket, Throttle, TokioClock, Uncapped,
+};
 
 /// A store in memory that can be told to fail.
 #[derive(Clone, Default)]
@@ -139,8 +141,9 @@ async fn strict_grants_only_what_a_durable_reservation_covers() {
     assert!(mark.wrapping_sub(t) as i64 >= 0);
     // Use tokens quickly: the reservation is renewed ahead of use, without waiting a full
     // interval.
+    let th = Throttle::with_checkpoint(&b);
     for _ in 0..40 {
-        b.acquire(10).await;
+        drop(th.acquire(10).await.unwrap());
     }
     let s = b.stats();
     assert!(s.saves >= 4, "{s:?}");
@@ -163,8 +166,8 @@ async fn strict_waits_while_storage_stalls_and_fail_open_proceeds_and_counts() {
     let b = bucket(Durability::strict(100));
     let cp = Checkpointer::start(b.clone(), store.clone(), every(1_000)).unwrap();
     let waiter = {
-        let b = b.clone();
-        tokio::spawn(async move { b.acquire(10).await })
+        let th = Throttle::with_checkpoint(&b);
+        tokio::spawn(async move { th.acquire(10).await.unwrap().tail().unwrap() })
     };
     tokio::time::sleep(Duration::from_secs(5)).await;
     assert!(
@@ -186,7 +189,12 @@ async fn strict_waits_while_storage_stalls_and_fail_open_proceeds_and_counts() {
         fail_open: true,
     });
     let cp = Checkpointer::start(b.clone(), store.clone(), every(1_000)).unwrap();
-    let tail = b.acquire(10).await;
+    let tail = Throttle::with_checkpoint(&b)
+        .acquire(10)
+        .await
+        .unwrap()
+        .tail()
+        .unwrap();
     assert_eq!(b.deficiency(tail), 0);
     assert_eq!(b.stats().grabs_past_mark, 1);
     drop(cp);
@@ -199,7 +207,7 @@ async fn a_strict_restore_counts_the_reservation_as_spent() {
     let cp = Checkpointer::start(b.clone(), store.clone(), every(1_000)).unwrap();
     tokio::time::sleep(Duration::from_millis(1)).await;
     assert_eq!(b.stats().mark, 200, "the first reservation, from tail 0");
-    b.acquire(50).await; // 450 left in the bucket, reserved up to 200
+    drop(Throttle::with_checkpoint(&b).acquire(50).await.unwrap()); // 450 left in the bucket, reserved up to 200
     drop(cp); // a crash: no final save
     let (restored, report) = CheckpointedBucket::<Uncapped, _>::restore(
         &store,
@@ -239,7 +247,7 @@ async fn an_idle_strict_shutdown_gives_the_unused_reservation_back() {
     let store = Mem::default();
     let b = bucket(Durability::strict(200));
     let cp = Checkpointer::start(b.clone(), store.clone(), every(1_000)).unwrap();
-    b.acquire(50).await;
+    drop(Throttle::with_checkpoint(&b).acquire(50).await.unwrap());
     cp.shutdown_idle().await.unwrap();
     let saved = store.stored().unwrap();
     assert_eq!(

@@ -30,7 +30,7 @@ use iothrottle::checkpoint::{
     Checkpoint, CheckpointConfig, CheckpointedBucket, Checkpointer, Durability, FileCheckpoint,
     Snapshot,
 };
-use iothrottle::{BucketConfig, MonotonicClock, Rate, Uncapped};
+use iothrottle::{BucketConfig, MonotonicClock, Rate, Throttle, Uncapped};
 
 const RATE: u64 = 20_000;
 const LIMIT: u64 = 2_000;
@@ -81,8 +81,10 @@ async fn child_loop<S: Checkpoint + Clone>(
         .open(grants)
         .expect("grant log");
     let mut granted = 0;
+    let throttle = Throttle::with_checkpoint(&bucket);
     loop {
-        let tail = bucket.acquire(BATCH).await;
+        let permit = throttle.acquire(BATCH).await.expect("acquire");
+        let tail = permit.tail().expect("a claim");
         // One write(2) per line: a kill leaves whole lines (a torn last line is ignored).
         log.write_all(format!("{tail} {BATCH}\n").as_bytes())
             .expect("log");

@@ -1,5 +1,6 @@
 //! `PgCheckpoint` against a real throwaway PostgreSQL cluster (see `tests/common/pg.rs`).
 
+mod checkpoint_support;
 mod common;
 
 use std::sync::Arc;
@@ -161,7 +162,7 @@ async fn rows_that_cannot_be_trusted_are_typed_errors() {
         store.load().await,
         Err(CheckpointError::UnsupportedVersion {
             found: 99,
-            supported: 1
+            supported: 2
         })
     ));
     client
@@ -185,4 +186,70 @@ async fn rows_that_cannot_be_trusted_are_typed_errors() {
     .unwrap();
     assert!(matches!(outcome, RestoreOutcome::Fallback(_)));
     assert_eq!(b.bucket().available(), 0, "empty, never full");
+}
+
+/// Defect 1 on Postgres: a save cancelled while its upsert is in flight lands after a newer
+/// one; the row keeps the newer snapshot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn defect_1_a_cancelled_pg_save_never_lands_over_a_newer_one() {
+    let Some(pg) = cluster_or_skip("defect_1_a_cancelled_pg_save_never_lands_over_a_newer_one")
+    else {
+        return;
+    };
+    let store = PgCheckpoint::new(&pg.connection_string(), "disk").unwrap();
+    checkpoint_support::a_cancelled_save_never_lands_over_a_newer_one(store).await;
+}
+
+/// Defect 1 on Postgres, at the SQL level: an upsert with a lower `seq` committed after a
+/// higher one on another connection (a timed-out upsert landing late) is refused; an old table
+/// without the `seq` column is upgraded and its row loads with `seq` 0.
+#[tokio::test]
+async fn defect_1_a_late_upsert_on_another_connection_is_refused() {
+    let Some(pg) = cluster_or_skip("defect_1_a_late_upsert_on_another_connection_is_refused")
+    else {
+        return;
+    };
+    let (client, conn) = tokio_postgres::connect(&pg.connection_string(), tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    // A table and a row as version 1 wrote them (no seq column).
+    client
+        .batch_execute(
+            "CREATE TABLE iothrottle_checkpoint (name text PRIMARY KEY, version integer NOT NULL,
+                tail bigint NOT NULL, head bigint NOT NULL, ceil bigint, reserved bigint,
+                wall_unix_ns bigint NOT NULL, rate_tokens bigint NOT NULL,
+                rate_period_ns bigint NOT NULL, bucket_limit bigint NOT NULL,
+                saved_at timestamptz NOT NULL DEFAULT clock_timestamp());
+             INSERT INTO iothrottle_checkpoint VALUES ('disk', 1, 0, 100, NULL, 50,
+                1700000000000000000, 1000, 1000000000, 500, now());",
+        )
+        .await
+        .unwrap();
+    let a = PgCheckpoint::new(&pg.connection_string(), "disk").unwrap();
+    let b = PgCheckpoint::new(&pg.url(), "disk").unwrap();
+    // Installing again upgrades the version-1 table (adds `seq`); loading never does DDL.
+    PgCheckpoint::new(&pg.connection_string(), "disk")
+        .unwrap()
+        .install()
+        .await
+        .unwrap();
+    let old = a.load().await.unwrap().unwrap();
+    assert_eq!((old.seq, old.reserved), (0, Some(50)));
+    let mut newer = snapshot_after(20);
+    newer.seq = 5;
+    a.save(newer).await.unwrap();
+    let mut late = snapshot_after(10);
+    late.seq = 4;
+    let err = b.save(late).await.unwrap_err();
+    assert!(
+        matches!(err, CheckpointError::Superseded { seq: 4, stored: 5 }),
+        "{err}"
+    );
+    assert_eq!(b.load().await.unwrap(), Some(newer));
+    // An equal seq replaces (snapshots saved by hand leave it at 0).
+    let mut same = snapshot_after(30);
+    same.seq = 5;
+    b.save(same).await.unwrap();
+    assert_eq!(a.load().await.unwrap(), Some(same));
 }

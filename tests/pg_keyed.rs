@@ -6,7 +6,7 @@ mod common;
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use common::pg::{cluster_or_skip, PgCluster};
+use common::pg::{cluster_or_skip, cluster_with_settings_or_skip, PgCluster};
 use iothrottle::pg::{Isolation, PgKeyedLimiter, PgOptions, RetryPolicy, MAX_KEY_BYTES};
 use iothrottle::PgLimitError;
 use tokio_postgres::NoTls;
@@ -382,6 +382,11 @@ async fn hold_row_lock(pg: &PgCluster, id: &str) -> tokio_postgres::Client {
 /// Waits until a session of the limiter waits for a lock; returns its pid.
 async fn waiting_backend(c: &tokio_postgres::Client) -> i32 {
     loop {
+        // Inside the blocker's transaction the activity view is a snapshot taken once per
+        // transaction: drop it, or a first look taken too early is seen forever.
+        c.execute("SELECT pg_stat_clear_snapshot()", &[])
+            .await
+            .unwrap();
         let row = c
             .query_opt(
                 "SELECT pid FROM pg_stat_activity WHERE application_name = 'iothrottle' \
@@ -453,7 +458,8 @@ async fn killed_connection_is_a_typed_error_then_reconnects() {
     let Some(pg) = cluster_or_skip("killed_connection_is_a_typed_error_then_reconnects") else {
         return;
     };
-    let l = limiter(&pg, PgOptions::new()).await;
+    // One session, so that the connect count below is that session's.
+    let l = limiter(&pg, PgOptions::new().with_connections(1)).await;
     l.request_n_at("k", 1, 100, 1, t0()).await.unwrap();
     let blocker = hold_row_lock(&pg, "k").await;
     let (res, ()) = tokio::join!(l.request_n_at("k", 1, 100, 1, t0()), async {
@@ -575,5 +581,27 @@ async fn refill_under_steady_load_4_workers_10s() {
     assert!(
         got_ref <= 121,
         "the reference's refill rounds to zero: got {got_ref}"
+    );
+}
+
+/// Issue 11, defect 2 for the limiter: "durable by default" held only when the server had
+/// `synchronous_commit` on. The session now turns it on itself (and off when asked to).
+#[tokio::test]
+async fn durable_commits_do_not_depend_on_the_server_setting() {
+    let Some(pg) = cluster_with_settings_or_skip(
+        "durable_commits_do_not_depend_on_the_server_setting",
+        &[("synchronous_commit", "off")],
+    ) else {
+        return;
+    };
+    let durable = limiter(&pg, PgOptions::new()).await;
+    assert_eq!(
+        durable.session_setting("synchronous_commit").await.unwrap(),
+        "on"
+    );
+    let fast = limiter(&pg, PgOptions::new().with_synchronous_commit(false)).await;
+    assert_eq!(
+        fast.session_setting("synchronous_commit").await.unwrap(),
+        "off"
     );
 }

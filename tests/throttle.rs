@@ -312,7 +312,7 @@ fn close_wakes_waiters_on_a_multi_thread_runtime() {
         .unwrap();
     rt.block_on(async {
         // One token per hour: without close these would wait for days.
-        let th: Throttle<Capped> = Throttle::new(BucketConfig::new(
+        let th: Throttle<Capped> = Throttle::new_capped(BucketConfig::new(
             Rate::new(1, Duration::from_secs(3600)),
             1,
         ))
@@ -556,7 +556,7 @@ fn many_tasks_on_a_multi_thread_runtime_get_exactly_their_tokens() {
         .unwrap();
     rt.block_on(async {
         let th: Throttle<Capped> =
-            Throttle::new(BucketConfig::new(Rate::per_second(200_000), 64)).unwrap();
+            Throttle::new_capped(BucketConfig::new(Rate::per_second(200_000), 64)).unwrap();
         let mut tasks = Vec::new();
         for _ in 0..8 {
             let th = th.clone();
@@ -589,9 +589,10 @@ fn racing_cancellations_leak_nothing(workers: u64, ops: u64, seed: u64) {
         .build()
         .unwrap();
     rt.block_on(async {
-        let th: Throttle<Capped> =
-            Throttle::new(BucketConfig::new(Rate::per_second(200_000), 64).with_threshold(4))
-                .unwrap();
+        let th: Throttle<Capped> = Throttle::new_capped(
+            BucketConfig::new(Rate::per_second(200_000), 64).with_threshold(4),
+        )
+        .unwrap();
         let mut tasks = Vec::new();
         for w in 0..workers {
             let th = th.clone();
@@ -640,4 +641,50 @@ fn stress_racing_cancellations_leak_nothing() {
     for seed in 0..10 {
         racing_cancellations_leak_nothing(16, 5_000, seed);
     }
+}
+
+/// Item 5 of issue 8: a rate raise re-wakes a waiter, which recomputes its deadline: 1/s →
+/// 1000/s while a waiter waits for 1 token; it is served within one replenish period at the
+/// new rate (1 ms), not at its old deadline (1 s).
+#[tokio::test(start_paused = true)]
+async fn set_rate_raise_mid_wait_serves_within_one_period_at_the_new_rate() {
+    let th = throttle::<Uncapped>(Rate::per_second(1), 1, 1);
+    drain(&th).await;
+    let start = Instant::now();
+    let waiter = spawn_acquire(&th, 1, start).await;
+    tokio::time::sleep(10 * MS).await;
+    th.set_rate(Rate::per_second(1_000)).unwrap();
+    let (at, _p) = waiter.await.unwrap().unwrap();
+    assert!(at <= 11 * MS, "served at {at:?}");
+}
+
+/// Issue 10: `Throttle::new` needs no turbofish; the capped one is `new_capped`.
+#[tokio::test]
+async fn new_needs_no_type_annotation_and_stats_count() {
+    let th = Throttle::new(BucketConfig::new(Rate::per_second(1_000), 10)).unwrap();
+    let capped = Throttle::new_capped(BucketConfig::new(Rate::per_second(1_000), 10)).unwrap();
+    assert!(!capped.is_closed());
+    let p = th.acquire(4).await.unwrap();
+    assert_eq!(p.tokens(), 4);
+    let s = th.stats();
+    assert_eq!((s.granted_tokens, s.waiting, s.cancelled), (4, 0, 0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn stats_count_granted_waiting_and_cancelled() {
+    let th = throttle::<Uncapped>(Rate::per_second(1_000), 10, 1);
+    drain(&th).await;
+    assert_eq!(th.stats().granted_tokens, 10);
+    let start = Instant::now();
+    let a = spawn_acquire(&th, 5, start).await;
+    let b = spawn_acquire(&th, 5, start).await;
+    assert_eq!(th.stats().waiting, 2);
+    b.abort();
+    let _ = b.await;
+    assert_eq!(th.stats().cancelled, 1);
+    assert_eq!(th.stats().waiting, 1);
+    let (_, p) = a.await.unwrap().unwrap();
+    drop(p);
+    let s = th.stats();
+    assert_eq!((s.granted_tokens, s.waiting, s.cancelled), (15, 0, 1));
 }

@@ -8,6 +8,10 @@
 //!   virtual clock jumps over the waits. The time per grant is the CPU cost of the whole waiting
 //!   path (claim, timer, wake-up, replenish), with no real time waited.
 //!
+//! - `cancel/N`: `N` claims queued behind one waiter that is never served, then all cancelled
+//!   (dropped): each give-back is deferred (head has not reached it). The time per
+//!   cancellation, with up to `N` give-backs already deferred (defect 7: was O(N) each).
+//!
 //! The accuracy figure (grants achieved in real time) is `examples/throttle_accuracy.rs`.
 
 use std::hint::black_box;
@@ -16,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, Criterion};
 use iothrottle::throttle::Throttle;
-use iothrottle::{BucketConfig, Capped, Mode, Rate, TokioClock, Uncapped};
+use iothrottle::{BucketConfig, Capped, Mode, Rate, SharedTokenBucket, TokioClock, Uncapped};
 use tokio::sync::Semaphore;
 
 const BIG: u64 = 1 << 40;
@@ -39,8 +43,10 @@ fn paused() -> tokio::runtime::Runtime {
 fn ours_uncontended<M: Mode>(iters: u64) -> Duration {
     let rt = current_thread();
     rt.block_on(async {
-        let th: Throttle<M> =
-            Throttle::new(BucketConfig::new(Rate::per_second(1_000_000_000), BIG)).unwrap();
+        let th: Throttle<M> = Throttle::from_bucket(Arc::new(
+            SharedTokenBucket::new(BucketConfig::new(Rate::per_second(1_000_000_000), BIG))
+                .unwrap(),
+        ));
         let start = Instant::now();
         for _ in 0..iters {
             drop(black_box(th.acquire(black_box(1)).await.unwrap()));
@@ -202,4 +208,58 @@ fn bench_throttle(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench_throttle);
+/// Queues `n` claims of 1 token behind a waiter that is never served (1 token per hour),
+/// cancels them all in order, and returns the time the `n` cancellations took.
+fn cancel_batch(n: u64) -> Duration {
+    use std::future::Future;
+    use std::task::{Context, Waker};
+    let rt = current_thread();
+    rt.block_on(async {
+        let th: Throttle = Throttle::from_bucket(Arc::new(
+            SharedTokenBucket::new(BucketConfig::new(
+                Rate::new(1, Duration::from_secs(3600)),
+                1,
+            ))
+            .unwrap(),
+        ));
+        let mut cx = Context::from_waker(Waker::noop());
+        let first = th.acquire(1).await.unwrap(); // the whole bucket
+        let mut front = Box::pin(th.acquire(1));
+        assert!(front.as_mut().poll(&mut cx).is_pending());
+        let mut queued = Vec::with_capacity(n as usize);
+        for _ in 0..n {
+            let mut f = Box::pin(th.acquire(1));
+            assert!(f.as_mut().poll(&mut cx).is_pending());
+            queued.push(f);
+        }
+        let start = Instant::now();
+        for f in queued {
+            drop(black_box(f));
+        }
+        let elapsed = start.elapsed();
+        drop((front, first));
+        elapsed
+    })
+}
+
+fn bench_cancel(c: &mut Criterion) {
+    let mut g = c.benchmark_group("throttle_cancel");
+    g.sample_size(10);
+    for n in [2_000u64, 14_000, 100_000] {
+        g.bench_function(format!("cancel/{n}"), |b| {
+            b.iter_custom(|iters| {
+                // Whole batches of `n`; the time is scaled to `iters` cancellations.
+                let mut done = 0u64;
+                let mut total = Duration::ZERO;
+                while done < iters {
+                    total += cancel_batch(n);
+                    done += n;
+                }
+                total.mul_f64(iters as f64 / done as f64)
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench_throttle, bench_cancel);

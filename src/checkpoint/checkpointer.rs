@@ -86,9 +86,11 @@ impl CheckpointConfig {
 struct Shared<S, M: Mode, C: Clock> {
     bucket: Arc<CheckpointedBucket<M, C>>,
     store: S,
-    /// One save at a time: snapshots reach the store in the order they were taken, and only
-    /// one writer moves the strict mark.
-    save_lock: Mutex<()>,
+    /// One save at a time, and the sequence number of the next save: saves are numbered in the
+    /// order their snapshots are taken, and only one writer moves the strict mark. A save
+    /// cancelled while its store write still runs releases the lock early, but its number is
+    /// lower than every later save's, and the store refuses to go back on it.
+    save_lock: Mutex<u64>,
 }
 
 impl<S: Checkpoint, M: Mode, C: Clock + 'static> Shared<S, M, C> {
@@ -98,13 +100,32 @@ impl<S: Checkpoint, M: Mode, C: Clock + 'static> Shared<S, M, C> {
     /// `release`: the caller guarantees that no grab runs any more; strict mode then saves the
     /// tail itself as the mark (the unused reservation is given back).
     async fn save(&self, release: bool) -> Result<(), CheckpointError> {
-        let _guard = self.save_lock.lock().await;
+        let mut next_seq = self.save_lock.lock().await;
+        let mut retried = false;
+        loop {
+            match self.save_locked(release, &mut next_seq).await {
+                // The store holds a save of another numbering (another process on the same
+                // store, or a store restored elsewhere): number ours above it and save again,
+                // once, with a fresh snapshot.
+                Err(CheckpointError::Superseded { stored, .. }) if !retried => {
+                    retried = true;
+                    *next_seq = stored.wrapping_add(1);
+                }
+                outcome => return outcome,
+            }
+        }
+    }
+
+    /// One save, under the save lock (`next_seq`: its guarded number).
+    async fn save_locked(&self, release: bool, next_seq: &mut u64) -> Result<(), CheckpointError> {
         let b = &self.bucket;
         if b.durability() != Durability::Periodic {
             // Before reading the tail: a grab after this re-arms the request.
             b.clear_request();
         }
         let mut snapshot = Snapshot::of(b.bucket(), None);
+        snapshot.seq = *next_seq;
+        *next_seq = next_seq.wrapping_add(1);
         // The new mark is computed from the snapshot's own tail, so it is never behind it
         // (grabs past the old mark are waiting, not granted: covering them is safe).
         let reserved = match b.durability() {
@@ -125,7 +146,7 @@ impl<S: Checkpoint, M: Mode, C: Clock + 'static> Shared<S, M, C> {
                 Some(mark)
             }
         };
-        let c = &b.counters;
+        let c = &b.gate().counters;
         match self.store.save(snapshot).await {
             Ok(()) => {
                 if let Some(mark) = reserved {
@@ -182,10 +203,12 @@ impl<S: Checkpoint, M: Mode, C: Clock + 'static> Checkpointer<S, M, C> {
             tokio::runtime::Handle::try_current().map_err(|_| CheckpointError::InvalidConfig {
                 reason: "the checkpointer must be started inside a tokio runtime",
             })?;
+        // Above the restored snapshot's number: the first save replaces it.
+        let bucket_seq = bucket.restored_seq.wrapping_add(1);
         let shared = Arc::new(Shared {
             bucket,
             store,
-            save_lock: Mutex::new(()),
+            save_lock: Mutex::new(bucket_seq),
         });
         let (stop, stopped) = watch::channel(false);
         let task = runtime.spawn(run(shared.clone(), config, stopped));
@@ -252,7 +275,7 @@ async fn run<S: Checkpoint, M: Mode, C: Clock + 'static>(
         if !b.reservation_due() {
             tokio::select! {
                 _ = tokio::time::sleep_until(next) => {}
-                _ = b.wake.notified() => {}
+                _ = b.gate().wake.notified() => {}
                 _ = stopped.changed() => return,
             }
         }

@@ -10,8 +10,10 @@
 //! - [`FileCheckpoint`]: the atomic, versioned, checksummed file (`file.rs`).
 //! - `PgCheckpoint`: one row per named bucket, one upsert per save (`postgres.rs`).
 //! - [`Checkpointer`]: the background task, off the hot path (`checkpointer.rs`).
-//! - [`CheckpointedBucket`] and [`Durability`]: the bucket with the write-ahead reservation
-//!   check of strict mode (`strict.rs`).
+//! - [`CheckpointedBucket`] and [`Durability`]: the bucket with its checkpoint layer
+//!   (`strict.rs`).
+//! - [`MarkGate`]: the layer, strict mode's write-ahead reservation check, which a
+//!   [`Throttle`](crate::Throttle) waits on (`gate.rs`).
 //!
 //! The restore semantics and the crash bounds of both durability modes are in
 //! `docs/checkpoint.md`, included below.
@@ -19,6 +21,7 @@
 
 mod checkpointer;
 mod file;
+mod gate;
 #[cfg(feature = "postgres")]
 mod postgres;
 mod strict;
@@ -28,6 +31,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 pub use checkpointer::{CheckpointConfig, Checkpointer};
 pub use file::FileCheckpoint;
+pub use gate::MarkGate;
+#[cfg(iothrottle_loom)]
+pub use gate::{GrabCheck, MarkCore};
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use postgres::PgCheckpoint;
@@ -37,9 +43,10 @@ use crate::bucket::{BucketConfig, BucketState, Mode, Rate, SharedTokenBucket};
 use crate::clock::Clock;
 use crate::error::CheckpointError;
 
-/// The version of the snapshot format (file layout and Postgres row). A store refuses versions
-/// it does not know with [`CheckpointError::UnsupportedVersion`].
-pub const FORMAT_VERSION: u32 = 1;
+/// The version of the snapshot format (file layout and Postgres row) this build writes. Version 2
+/// added [`Snapshot::seq`]; version-1 checkpoints still load (with `seq` 0). A store refuses
+/// versions it does not know with [`CheckpointError::UnsupportedVersion`].
+pub const FORMAT_VERSION: u32 = 2;
 
 /// Where a bucket stands, when, and under which configuration: what a [`Checkpoint`] stores.
 ///
@@ -59,6 +66,13 @@ pub struct Snapshot {
     pub rate: Rate,
     /// The bucket's limit when the snapshot was taken.
     pub limit: u64,
+    /// The save's sequence number: saves are totally ordered in the store by it. Every store
+    /// refuses a snapshot whose `seq` is *lower* than the stored one's
+    /// ([`CheckpointError::Superseded`]), so a late write of an older save (a cancelled
+    /// `save_now` whose blocking write still runs, a timed-out upsert) can never replace a newer
+    /// one. An equal `seq` replaces (snapshots saved by hand can leave it at 0). The
+    /// [`Checkpointer`] numbers its saves under its save lock, above the restored snapshot's.
+    pub seq: u64,
 }
 
 impl Snapshot {
@@ -74,6 +88,7 @@ impl Snapshot {
             wall: SystemTime::now(),
             rate,
             limit,
+            seq: 0,
         }
     }
 

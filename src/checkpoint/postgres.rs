@@ -1,6 +1,7 @@
 //! [`PgCheckpoint`]: snapshots in PostgreSQL, one row per named bucket, one upsert per save.
 //!
-//! Table (created if missing):
+//! Table (created by [`PgCheckpoint::install`], which needs `CREATE` on the schema; a
+//! connection also creates it when it is missing and the role may):
 //!
 //! ```sql
 //! CREATE TABLE IF NOT EXISTS iothrottle_checkpoint (
@@ -14,13 +15,20 @@
 //!     rate_tokens    bigint NOT NULL,
 //!     rate_period_ns bigint NOT NULL,
 //!     bucket_limit   bigint NOT NULL,
-//!     saved_at       timestamptz NOT NULL DEFAULT clock_timestamp()
+//!     saved_at       timestamptz NOT NULL DEFAULT clock_timestamp(),
+//!     seq            bigint NOT NULL DEFAULT 0  -- the save's sequence number (format 2)
 //! )
 //! ```
 //!
-//! The upsert is a single `INSERT … ON CONFLICT (name) DO UPDATE`, committed with the server's
-//! default `synchronous_commit` (on): a save returns once the row is durable, which strict mode
-//! relies on.
+//! The upsert is a single `INSERT … ON CONFLICT (name) DO UPDATE … WHERE stored seq <= new seq`:
+//! a save never replaces a newer one, even a timed-out upsert that commits after a newer one
+//! on another connection ([`CheckpointError::Superseded`]). A save returns once the row is
+//! durable, which strict mode relies on: every session of the store reads its
+//! `synchronous_commit` and, when the server (or the role, or the database) has it `off`, sets
+//! it `on` for itself, so the guarantee does not depend on the server's configuration.
+//!
+//! Privileges: after [`install`](PgCheckpoint::install), loading and saving need only
+//! `SELECT, INSERT, UPDATE` on the table and `USAGE` on its schema (no `CREATE`).
 
 use std::fmt;
 use std::str::FromStr;
@@ -44,21 +52,26 @@ const CREATE: &str = "CREATE TABLE IF NOT EXISTS iothrottle_checkpoint (
     rate_tokens bigint NOT NULL,
     rate_period_ns bigint NOT NULL,
     bucket_limit bigint NOT NULL,
-    saved_at timestamptz NOT NULL DEFAULT clock_timestamp()
-)";
+    saved_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    seq bigint NOT NULL DEFAULT 0
+);
+ALTER TABLE iothrottle_checkpoint ADD COLUMN IF NOT EXISTS seq bigint NOT NULL DEFAULT 0";
 
 const UPSERT: &str = "INSERT INTO iothrottle_checkpoint
     (name, version, tail, head, ceil, reserved, wall_unix_ns, rate_tokens, rate_period_ns,
-     bucket_limit, saved_at)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, clock_timestamp())
+     bucket_limit, saved_at, seq)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, clock_timestamp(), $11)
 ON CONFLICT (name) DO UPDATE SET
     version = EXCLUDED.version, tail = EXCLUDED.tail, head = EXCLUDED.head,
     ceil = EXCLUDED.ceil, reserved = EXCLUDED.reserved, wall_unix_ns = EXCLUDED.wall_unix_ns,
     rate_tokens = EXCLUDED.rate_tokens, rate_period_ns = EXCLUDED.rate_period_ns,
-    bucket_limit = EXCLUDED.bucket_limit, saved_at = EXCLUDED.saved_at";
+    bucket_limit = EXCLUDED.bucket_limit, saved_at = EXCLUDED.saved_at, seq = EXCLUDED.seq
+WHERE iothrottle_checkpoint.seq <= EXCLUDED.seq";
+
+const STORED_SEQ: &str = "SELECT seq FROM iothrottle_checkpoint WHERE name = $1";
 
 const SELECT: &str = "SELECT version, tail, head, ceil, reserved, wall_unix_ns, rate_tokens,
-    rate_period_ns, bucket_limit FROM iothrottle_checkpoint WHERE name = $1";
+    rate_period_ns, bucket_limit, seq FROM iothrottle_checkpoint WHERE name = $1";
 
 /// A bucket's snapshot in PostgreSQL (feature `postgres`): one row per bucket name in the
 /// table [`TABLE`](Self::TABLE), one upsert per save.
@@ -112,33 +125,84 @@ impl PgCheckpoint {
         &self.name
     }
 
-    /// Opens a connection and creates the table if missing.
+    /// Creates the table if it is missing: run once, by a role with `CREATE` on the schema
+    /// the table resolves to (the first schema of the role's `search_path`, usually `public`).
+    /// Idempotent. Least-privilege roles then need only `USAGE` on that schema and `SELECT,
+    /// INSERT, UPDATE` on the table (see `docs/postgres.md`, "Least-privilege roles").
+    pub async fn install(&self) -> Result<(), CheckpointError> {
+        // A connection of its own, with nothing prepared: the statements of this version may
+        // not parse against an older table until it is upgraded.
+        let result = tokio::time::timeout(self.timeout, async {
+            let client = self.open().await?;
+            create_table(&client).await
+        })
+        .await
+        .unwrap_or_else(|_| {
+            Err(CheckpointError::Postgres {
+                op: "create table",
+                message: format!("timed out after {:?}", self.timeout),
+            })
+        });
+        // The cached connection's statements were prepared against the old table.
+        *self.conn.lock().await = None;
+        result
+    }
+
+    /// The `synchronous_commit` of the store's own session (`SHOW synchronous_commit` on the
+    /// connection saves use): never `off`, whatever the server's configuration.
+    pub async fn synchronous_commit(&self) -> Result<String, CheckpointError> {
+        self.with_conn("show", async move |client, _| {
+            let row = client
+                .query_one("SHOW synchronous_commit", &[])
+                .await
+                .map_err(pg_err("show"))?;
+            Ok(row.get(0))
+        })
+        .await
+    }
+
+    /// Opens a connection, makes its commits durable, and prepares the upsert. Creates the
+    /// table only when it is missing (so a role without `CREATE` works once it exists).
     async fn connect(&self) -> Result<(Client, Statement), CheckpointError> {
-        let pg = |op| {
-            move |e: tokio_postgres::Error| CheckpointError::Postgres {
-                op,
-                message: message(&e),
-            }
-        };
-        let (client, connection) = self.config.connect(NoTls).await.map_err(pg("connect"))?;
+        let client = self.open().await?;
+        let exists: bool = client
+            .query_one("SELECT to_regclass($1) IS NOT NULL", &[&Self::TABLE])
+            .await
+            .map_err(pg_err("connect"))?
+            .get(0);
+        if !exists {
+            create_table(&client).await?;
+        }
+        let upsert = client.prepare(UPSERT).await.map_err(pg_err("prepare"))?;
+        Ok((client, upsert))
+    }
+
+    /// Opens a connection whose commits are durable.
+    async fn open(&self) -> Result<Client, CheckpointError> {
+        let (client, connection) = self
+            .config
+            .connect(NoTls)
+            .await
+            .map_err(pg_err("connect"))?;
         tokio::spawn(async move {
             if let Err(e) = connection.await {
                 tracing::debug!(error = %e, "postgres checkpoint connection closed");
             }
         });
-        if let Err(e) = client.batch_execute(CREATE).await {
-            // Two processes creating the table at once: one loses on the catalog's unique
-            // index; the table is there either way.
-            let raced = e.code().is_some_and(|c| {
-                *c == tokio_postgres::error::SqlState::UNIQUE_VIOLATION
-                    || *c == tokio_postgres::error::SqlState::DUPLICATE_TABLE
-            });
-            if !raced {
-                return Err(pg("create table")(e));
-            }
+        // Durable commits whatever the server, role or database says: any value but `off`
+        // waits for the local WAL flush (the stronger `remote_*` settings are kept).
+        let sync: String = client
+            .query_one("SHOW synchronous_commit", &[])
+            .await
+            .map_err(pg_err("connect"))?
+            .get(0);
+        if sync == "off" {
+            client
+                .batch_execute("SET synchronous_commit TO on")
+                .await
+                .map_err(pg_err("connect"))?;
         }
-        let upsert = client.prepare(UPSERT).await.map_err(pg("prepare"))?;
-        Ok((client, upsert))
+        Ok(client)
     }
 
     /// Runs `op` on the (re)opened connection under the timeout; any failure drops the
@@ -175,7 +239,13 @@ impl Checkpoint for PgCheckpoint {
         let name = self.name.clone();
         self.with_conn("upsert", async move |client, upsert| {
             let period = u64::try_from(s.rate.period().as_nanos()).unwrap_or(u64::MAX);
-            client
+            let pg = |op| {
+                move |e| CheckpointError::Postgres {
+                    op,
+                    message: message(&e),
+                }
+            };
+            let updated = client
                 .execute(
                     upsert,
                     &[
@@ -189,14 +259,23 @@ impl Checkpoint for PgCheckpoint {
                         &(s.rate.tokens() as i64),
                         &(period as i64),
                         &(s.limit as i64),
+                        &(s.seq as i64),
                     ],
                 )
                 .await
-                .map(|_| ())
-                .map_err(|e| CheckpointError::Postgres {
-                    op: "upsert",
-                    message: message(&e),
-                })
+                .map_err(pg("upsert"))?;
+            if updated == 0 {
+                // The row holds a higher seq: a newer save landed first.
+                let row = client
+                    .query_one(STORED_SEQ, &[&name])
+                    .await
+                    .map_err(pg("select"))?;
+                return Err(CheckpointError::Superseded {
+                    seq: s.seq,
+                    stored: row.get::<_, i64>(0) as u64,
+                });
+            }
+            Ok(())
         })
         .await
     }
@@ -212,7 +291,7 @@ impl Checkpoint for PgCheckpoint {
             })?;
             let Some(row) = row else { return Ok(None) };
             let version: i32 = row.get(0);
-            if version != FORMAT_VERSION as i32 {
+            if !(1..=FORMAT_VERSION as i32).contains(&version) {
                 return Err(CheckpointError::UnsupportedVersion {
                     found: version as u32,
                     supported: FORMAT_VERSION,
@@ -230,6 +309,7 @@ impl Checkpoint for PgCheckpoint {
                 wall: UNIX_EPOCH + Duration::from_nanos(u(5)),
                 rate: Rate::new(u(6), Duration::from_nanos(u(7))),
                 limit: u(8),
+                seq: u(9),
             };
             snapshot.validate()?;
             Ok(Some(snapshot))
@@ -238,16 +318,34 @@ impl Checkpoint for PgCheckpoint {
     }
 }
 
-/// The driver's message with its causes ("error connecting to server: Connection refused").
-fn message(e: &tokio_postgres::Error) -> String {
-    let mut msg = e.to_string();
-    let mut source = std::error::Error::source(e);
-    while let Some(s) = source {
-        msg.push_str(": ");
-        msg.push_str(&s.to_string());
-        source = s.source();
+/// `CREATE TABLE IF NOT EXISTS` (needs `CREATE` on the schema, even when the table exists).
+async fn create_table(client: &Client) -> Result<(), CheckpointError> {
+    if let Err(e) = client.batch_execute(CREATE).await {
+        // Two processes creating the table at once: one loses on the catalog's unique
+        // index; the table is there either way.
+        let raced = e.code().is_some_and(|c| {
+            *c == tokio_postgres::error::SqlState::UNIQUE_VIOLATION
+                || *c == tokio_postgres::error::SqlState::DUPLICATE_TABLE
+        });
+        if !raced {
+            return Err(pg_err("create table")(e));
+        }
     }
-    msg
+    Ok(())
+}
+
+fn pg_err(op: &'static str) -> impl Fn(tokio_postgres::Error) -> CheckpointError {
+    move |e| CheckpointError::Postgres {
+        op,
+        message: message(&e),
+    }
+}
+
+/// The server's SQLSTATE and message when it sent one ("57P01 FATAL: terminating connection
+/// due to administrator command"), else the driver's message with its causes ("error
+/// connecting to server: Connection refused").
+fn message(e: &tokio_postgres::Error) -> String {
+    crate::error::pg_error_text(e)
 }
 
 impl fmt::Debug for PgCheckpoint {

@@ -1,32 +1,20 @@
 //! [`CheckpointedBucket`]: the bucket seen through its checkpoint, with the write-ahead
 //! reservation check of [`Durability::Strict`] on the grab path.
 //!
-//! # Orderings
-//!
-//! - `mark` (the durable high-water mark for `tail`) is written only by the checkpointer, under
-//!   its save lock, *after* the store confirmed the save: `store(Release)`. Grabs read it with
-//!   `load(Acquire)`: a grab that sees a mark sees a mark that is durable. A stale (lower) mark
-//!   only makes a grab wait or ask for a reservation it does not need, never grant past a
-//!   non-durable mark.
-//! - `requested` is a flag that stops every grab below the low-water line from calling
-//!   `notify_one`: `swap(AcqRel)` by grabs and by the checkpointer (clearing it before it reads
-//!   the tail). Grab and checkpointer synchronise through the flag, so the checkpointer sees
-//!   the tail of the grab that asked, and a grab after the clear re-arms it and wakes it again.
-//!   (The checkpointer also re-reads the tail after every save, and saves every interval.)
-//! - The counters are statistics: `fetch_add(Relaxed)`, read with `load(Relaxed)`.
+//! The reservation protocol itself (the mark, the request flag and their orderings) is
+//! [`MarkGate`] (`gate.rs`); this type pairs it with the bucket.
 
 use std::fmt;
 use std::time::SystemTime;
 
-use crossbeam_utils::CachePadded;
-use tokio::sync::Notify;
+use std::sync::Arc;
 
-use crate::bucket::ahead;
 use crate::bucket::{BucketConfig, Mode, SharedTokenBucket, Uncapped};
+use crate::checkpoint::gate::MarkGate;
 use crate::checkpoint::{empty_bucket, restore_bucket, Checkpoint, RestoreReport};
 use crate::clock::{Clock, MonotonicClock};
 use crate::error::CheckpointError;
-use crate::sync::{AtomicU64, Ordering};
+use crate::sync::Ordering;
 
 /// How much a crash may cost: what the checkpoint guarantees about tokens granted across it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -107,24 +95,16 @@ pub struct CheckpointStats {
     pub mark: u64,
 }
 
-/// Counters, each on the hot path's side or the checkpointer's.
-#[derive(Debug, Default)]
-pub(crate) struct Counters {
-    pub(crate) saves: AtomicU64,
-    pub(crate) save_failures: AtomicU64,
-    pub(crate) consecutive_failures: AtomicU64,
-    pub(crate) last_save_unix_nanos: AtomicU64,
-    pub(crate) grabs_past_mark: AtomicU64,
-}
-
-/// A [`SharedTokenBucket`] with its checkpoint state: the hot path of a durable limiter.
+/// A [`SharedTokenBucket`] with its checkpoint layer ([`MarkGate`]): the hot path of a durable
+/// limiter.
 ///
 /// In [`Durability::Periodic`] mode `grab` and `deficiency` are the bucket's own. In
 /// [`Durability::Strict`] mode `grab` also compares the new tail with the durable reservation
 /// mark (one extra load) and wakes the checkpointer when less than half a reservation is left;
 /// `deficiency` stays positive for tokens past the mark until a reservation covers them.
-/// Neither ever waits for I/O: waiting is [`acquire`](Self::acquire)'s business, as for the
-/// bucket.
+/// Neither ever waits for I/O. To wait, use a [`Throttle`](crate::Throttle) over it
+/// ([`Throttle::with_checkpoint`](crate::Throttle::with_checkpoint)): its cancel-safe waiting
+/// protocol then also waits, without polling, for the durable mark.
 ///
 /// ```
 /// use iothrottle::checkpoint::{CheckpointedBucket, Durability};
@@ -141,17 +121,11 @@ pub(crate) struct Counters {
 /// # Ok::<(), iothrottle::CheckpointError>(())
 /// ```
 pub struct CheckpointedBucket<M: Mode = Uncapped, C: Clock = MonotonicClock> {
-    bucket: SharedTokenBucket<M, C>,
-    durability: Durability,
-    /// Strict: every tail position up to `mark` is covered by a durable reservation.
-    mark: CachePadded<AtomicU64>,
-    /// Non-zero while a reservation request is pending (see the module's orderings).
-    requested: AtomicU64,
-    pub(crate) counters: Counters,
-    /// Wakes the checkpointer: a reservation is needed.
-    pub(crate) wake: Notify,
-    /// Wakes grabs waiting for the mark.
-    mark_moved: Notify,
+    bucket: Arc<SharedTokenBucket<M, C>>,
+    gate: Arc<MarkGate>,
+    /// The [`seq`](crate::checkpoint::Snapshot::seq) of the snapshot this bucket was restored
+    /// from (0: none); the checkpointer numbers its saves above it.
+    pub(crate) restored_seq: u64,
 }
 
 impl<M: Mode, C: Clock> CheckpointedBucket<M, C> {
@@ -164,13 +138,9 @@ impl<M: Mode, C: Clock> CheckpointedBucket<M, C> {
         durability.validate()?;
         let tail = bucket.snapshot().tail;
         Ok(CheckpointedBucket {
-            bucket,
-            durability,
-            mark: CachePadded::new(AtomicU64::new(tail)),
-            requested: AtomicU64::new(0),
-            counters: Counters::default(),
-            wake: Notify::new(),
-            mark_moved: Notify::new(),
+            bucket: Arc::new(bucket),
+            gate: Arc::new(MarkGate::new(durability, tail)),
+            restored_seq: 0,
         })
     }
 
@@ -192,7 +162,9 @@ impl<M: Mode, C: Clock> CheckpointedBucket<M, C> {
             )),
             Some(snapshot) => {
                 let (bucket, report) = restore_bucket(&snapshot, config, clock, SystemTime::now())?;
-                Ok((Self::new(bucket, durability)?, Some(report)))
+                let mut this = Self::new(bucket, durability)?;
+                this.restored_seq = snapshot.seq;
+                Ok((this, Some(report)))
             }
         }
     }
@@ -229,9 +201,19 @@ impl<M: Mode, C: Clock> CheckpointedBucket<M, C> {
         &self.bucket
     }
 
+    /// The bucket, shared (what a [`Throttle`](crate::Throttle) over it holds).
+    pub fn shared_bucket(&self) -> &Arc<SharedTokenBucket<M, C>> {
+        &self.bucket
+    }
+
+    /// The checkpoint layer: what a waiter checks after each grab.
+    pub fn gate(&self) -> &Arc<MarkGate> {
+        &self.gate
+    }
+
     /// The durability mode.
     pub fn durability(&self) -> Durability {
-        self.durability
+        self.gate.durability()
     }
 
     /// Claims `n` tokens, like [`SharedTokenBucket::grab`]; never waits. In strict mode it also
@@ -239,29 +221,8 @@ impl<M: Mode, C: Clock> CheckpointedBucket<M, C> {
     #[inline]
     pub fn grab(&self, n: u64) -> u64 {
         let tail = self.bucket.grab(n);
-        if let Durability::Strict { reserve_ahead, .. } = self.durability {
-            // Acquire: pairs with the checkpointer's Release store after a durable save.
-            let left = ahead(self.mark.load(Ordering::Acquire), tail);
-            if left < (reserve_ahead / 2) as i64 {
-                if left < 0 {
-                    // Relaxed: a statistic.
-                    self.counters
-                        .grabs_past_mark
-                        .fetch_add(1, Ordering::Relaxed);
-                }
-                self.request_reservation();
-            }
-        }
+        self.gate.on_grab(tail);
         tail
-    }
-
-    #[cold]
-    fn request_reservation(&self) {
-        // AcqRel: only the grab that raises the flag wakes the checkpointer; pairs with its
-        // Release store clearing the flag.
-        if self.requested.swap(1, Ordering::AcqRel) == 0 {
-            self.wake.notify_one();
-        }
     }
 
     /// How many tokens up to `tail` cannot be used yet. In strict mode (without `fail_open`)
@@ -270,122 +231,55 @@ impl<M: Mode, C: Clock> CheckpointedBucket<M, C> {
     #[inline]
     pub fn deficiency(&self, tail: u64) -> u64 {
         let d = self.bucket.deficiency(tail);
-        if let Durability::Strict {
-            fail_open: false, ..
-        } = self.durability
-        {
-            let over = self.past_mark(tail);
-            if over > d {
-                return over;
-            }
+        if self.gate.blocks(tail) {
+            return d.max(self.gate.past_mark(tail));
         }
         d
     }
 
     /// Tokens up to `tail` that no durable reservation covers (0 in periodic mode).
     pub fn past_mark(&self, tail: u64) -> u64 {
-        match self.durability {
-            // Acquire: as in `grab`.
-            Durability::Strict { .. } => {
-                ahead(tail, self.mark.load(Ordering::Acquire)).max(0) as u64
-            }
-            Durability::Periodic => 0,
-        }
+        self.gate.past_mark(tail)
     }
 
     /// Waits until a durable reservation covers `tail` (at once in periodic or fail-open mode).
     pub async fn wait_durable(&self, tail: u64) {
-        if let Durability::Strict {
-            fail_open: false, ..
-        } = self.durability
-        {
-            loop {
-                let moved = self.mark_moved.notified();
-                tokio::pin!(moved);
-                moved.as_mut().enable();
-                if self.past_mark(tail) == 0 {
-                    return;
-                }
-                self.request_reservation();
-                moved.await;
-            }
-        }
-    }
-
-    /// Claims `n` tokens and waits until they are there (and, in strict mode, durably
-    /// reserved). Returns the tail. Replenishes while it waits; sleeps with tokio's timer.
-    pub async fn acquire(&self, n: u64) -> u64 {
-        let tail = self.grab(n);
-        loop {
-            self.bucket.replenish();
-            let d = self.bucket.deficiency(tail);
-            if d > 0 {
-                tokio::time::sleep(self.bucket.duration_for(d)).await;
-                continue;
-            }
-            if self.past_mark(tail) == 0 || self.is_fail_open() {
-                return tail;
-            }
-            self.wait_durable(tail).await;
-        }
-    }
-
-    fn is_fail_open(&self) -> bool {
-        matches!(
-            self.durability,
-            Durability::Strict {
-                fail_open: true,
-                ..
-            }
-        )
+        self.gate.wait_durable(tail).await
     }
 
     /// Statistics of the bucket and its checkpointer.
     pub fn stats(&self) -> CheckpointStats {
-        let c = &self.counters;
-        // Relaxed loads: statistics (see the module's orderings); Acquire for the mark.
+        let c = &self.gate.counters;
+        // Relaxed loads: statistics (see the gate's orderings); Acquire for the mark.
         CheckpointStats {
             saves: c.saves.load(Ordering::Relaxed),
             save_failures: c.save_failures.load(Ordering::Relaxed),
             consecutive_failures: c.consecutive_failures.load(Ordering::Relaxed),
             last_save_unix_nanos: c.last_save_unix_nanos.load(Ordering::Relaxed),
             grabs_past_mark: c.grabs_past_mark.load(Ordering::Relaxed),
-            mark: self.mark.load(Ordering::Acquire),
+            mark: self.gate.mark(),
         }
     }
 
     /// The durable mark (strict mode).
     pub(crate) fn mark(&self) -> u64 {
-        // Acquire: as in `grab`.
-        self.mark.load(Ordering::Acquire)
+        self.gate.mark()
     }
 
     /// Clears the reservation request; the checkpointer calls it before reading the tail.
     pub(crate) fn clear_request(&self) {
-        // AcqRel swap, not a store: it reads the latest request, and so acquires the tail of
-        // the grab that raised it (the grab's fetch_add precedes its AcqRel swap); the tail
-        // read after this sees that grab.
-        self.requested.swap(0, Ordering::AcqRel);
+        self.gate.clear_request();
     }
 
     /// Whether a new reservation is due: less than half of one left.
     pub(crate) fn reservation_due(&self) -> bool {
-        match self.durability {
-            Durability::Strict { reserve_ahead, .. } => {
-                ahead(self.mark(), self.bucket.snapshot().tail) < (reserve_ahead / 2) as i64
-            }
-            Durability::Periodic => false,
-        }
+        self.gate.low(self.bucket.snapshot().tail)
     }
 
     /// Publishes a mark that the store has made durable, and wakes the grabs waiting for it.
     /// Called by the checkpointer only, under its save lock (marks only move forward).
     pub(crate) fn publish_mark(&self, mark: u64) {
-        if ahead(mark, self.mark()) > 0 {
-            // Release: a grab that reads this mark reads a durable one (pairs with Acquire).
-            self.mark.store(mark, Ordering::Release);
-        }
-        self.mark_moved.notify_waiters();
+        self.gate.publish_mark(mark);
     }
 }
 
@@ -393,7 +287,7 @@ impl<M: Mode, C: Clock> fmt::Debug for CheckpointedBucket<M, C> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CheckpointedBucket")
             .field("bucket", &self.bucket)
-            .field("durability", &self.durability)
+            .field("durability", &self.durability())
             .field("stats", &self.stats())
             .finish()
     }

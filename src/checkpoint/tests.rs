@@ -4,7 +4,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use proptest::prelude::*;
 
-use super::file::{decode, encode, FILE_LEN};
+use super::file::{decode, encode, FILE_LEN, FILE_LEN_V1};
 use super::*;
 use crate::bucket::{BucketConfig, BucketState, Capped, Rate, Uncapped};
 use crate::clock::ManualClock;
@@ -24,6 +24,7 @@ fn snap(tail: u64, head: u64, rate: Rate, limit: u64) -> Snapshot {
         wall: at(0),
         rate,
         limit,
+        seq: 0,
     }
 }
 
@@ -170,9 +171,31 @@ fn file_format_round_trips() {
     s.state.ceil = Some(100);
     s.reserved = Some(10);
     s.wall = UNIX_EPOCH + Duration::from_nanos(1_700_000_000_123_456_789);
+    s.seq = u64::MAX - 1;
     let bytes = encode(&s);
     assert_eq!(bytes.len(), FILE_LEN);
     assert_eq!(decode(&bytes).unwrap(), s);
+}
+
+/// A version-1 file (before `seq` existed), built byte by byte from its documented layout,
+/// still loads, with `seq` 0.
+#[test]
+fn file_format_version_1_still_loads() {
+    let mut s = snap(40, 90, R, 500);
+    s.reserved = Some(70);
+    s.seq = 9;
+    let v2 = encode(&s);
+    let mut v1 = [0u8; FILE_LEN_V1];
+    v1[..78].copy_from_slice(&v2[..78]);
+    v1[8..12].copy_from_slice(&1u32.to_le_bytes());
+    let crc = crc32fast::hash(&v1[..82]);
+    v1[82..86].copy_from_slice(&crc.to_le_bytes());
+    let got = decode(&v1).unwrap();
+    assert_eq!(got, Snapshot { seq: 0, ..s });
+    assert!(matches!(
+        decode(&v1[..FILE_LEN_V1 - 1]),
+        Err(CheckpointError::Truncated { .. })
+    ));
 }
 
 #[test]
@@ -205,12 +228,12 @@ fn file_format_rejects_damage() {
     b[0] = b'X';
     assert!(matches!(decode(&b), Err(CheckpointError::BadMagic)));
     let mut b = bytes;
-    b[8] = 2;
+    b[8] = 3;
     assert!(matches!(
         decode(&b),
         Err(CheckpointError::UnsupportedVersion {
-            found: 2,
-            supported: 1
+            found: 3,
+            supported: 2
         })
     ));
 }

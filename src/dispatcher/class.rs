@@ -14,6 +14,7 @@ use crate::sync::Arc;
 
 pub(crate) use super::fair::Ahead;
 use super::fair::Fairness;
+use super::latency::LatencyControl;
 use super::ArcClock;
 
 /// A class's bandwidth cap: a bucket of bytes shared by all shards.
@@ -68,6 +69,7 @@ pub struct ClassConfig {
     shares: u32,
     bandwidth_cap: Option<u64>,
     priority: Priority,
+    latency_target: Option<Duration>,
 }
 
 impl ClassConfig {
@@ -81,6 +83,7 @@ impl ClassConfig {
             shares,
             bandwidth_cap: None,
             priority: Priority::Normal,
+            latency_target: None,
         }
     }
 
@@ -95,6 +98,20 @@ impl ClassConfig {
     pub fn with_priority(mut self, priority: Priority) -> Self {
         self.priority = priority;
         self
+    }
+
+    /// Protects the class's p99 latency (submission to completion of its futures): the
+    /// dispatcher serves it in the high tier and lowers the other classes' share of the disk
+    /// while the target is missed, giving it back while it is met (latency-target mode; no disk
+    /// speed needs to be configured). See the module documentation.
+    pub fn with_latency_target(mut self, p99: Duration) -> Self {
+        self.latency_target = Some(p99);
+        self
+    }
+
+    /// The p99 latency target, if any.
+    pub fn latency_target(&self) -> Option<Duration> {
+        self.latency_target
     }
 
     /// The class's name.
@@ -121,6 +138,11 @@ impl ClassConfig {
         check_shares(&self.name, self.shares)?;
         if self.bandwidth_cap == Some(0) {
             return Err(BuildError::ZeroBandwidthCap {
+                class: self.name.clone(),
+            });
+        }
+        if self.latency_target == Some(Duration::ZERO) {
+            return Err(BuildError::ZeroLatencyTarget {
                 class: self.name.clone(),
             });
         }
@@ -176,6 +198,8 @@ impl fmt::Debug for ClassShared {
 pub(crate) struct Classes {
     classes: Box<[ClassShared]>,
     fair: Fairness,
+    /// Latency-target mode, when a class has a target.
+    latency: Option<LatencyControl>,
 }
 
 impl Classes {
@@ -184,8 +208,8 @@ impl Classes {
     pub(crate) fn new(
         configs: Vec<ClassConfig>,
         shards: usize,
-        window_tokens: u64,
-        idle_credit_tokens: u64,
+        (window_tokens, idle_credit_tokens): (u64, u64),
+        rate: Rate,
         clock: &ArcClock,
     ) -> Result<Self, BuildError> {
         let mut classes = Vec::with_capacity(configs.len());
@@ -202,10 +226,15 @@ impl Classes {
         }
         let specs: Vec<_> = classes
             .iter()
-            .map(|c| (c.config.shares, c.config.priority == Priority::High))
+            .map(|c| {
+                let high = c.config.priority == Priority::High || c.config.latency_target.is_some();
+                (c.config.shares, high)
+            })
             .collect();
+        let targets = classes.iter().map(|c| c.config.latency_target).collect();
         Ok(Classes {
             fair: Fairness::new(&specs, shards, window_tokens, idle_credit_tokens),
+            latency: LatencyControl::new(targets, rate, clock)?,
             classes: classes.into_boxed_slice(),
         })
     }
@@ -270,6 +299,11 @@ impl Classes {
         self.fair.vtime(class)
     }
 
+    /// Latency-target mode, when a class has a target.
+    pub(crate) fn latency(&self) -> Option<&LatencyControl> {
+        self.latency.as_ref()
+    }
+
     /// `true` for a class of the high tier.
     pub(crate) fn is_high(&self, class: usize) -> bool {
         self.fair.is_high(class)
@@ -310,14 +344,21 @@ mod tests {
     fn shares_are_checked() {
         let clock: ArcClock = Arc::new(ManualClock::new());
         for bad in [0, 1001] {
-            let err = Classes::new(vec![ClassConfig::new("x", bad)], 1, 1, 1, &clock).unwrap_err();
+            let err = Classes::new(
+                vec![ClassConfig::new("x", bad)],
+                1,
+                (1, 1),
+                Rate::per_second(1),
+                &clock,
+            )
+            .unwrap_err();
             assert!(matches!(err, BuildError::SharesOutOfRange { shares, .. } if shares == bad));
         }
         let err = Classes::new(
             vec![ClassConfig::new("x", 1).with_bandwidth_cap(0)],
             1,
-            1,
-            1,
+            (1, 1),
+            Rate::per_second(1000),
             &clock,
         )
         .unwrap_err();
@@ -330,8 +371,8 @@ mod tests {
         let c = Classes::new(
             vec![ClassConfig::new("x", 10).with_bandwidth_cap(1 << 20)],
             1,
-            1,
-            1,
+            (1, 1),
+            Rate::per_second(1000),
             &clock,
         )
         .unwrap();

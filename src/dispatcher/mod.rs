@@ -51,6 +51,7 @@ mod cost;
 #[allow(unreachable_pub)] // `pub` for the loom build, which re-exports it (see `loom.rs`)
 pub(crate) mod fair;
 mod handle;
+mod latency;
 mod queue;
 mod runner;
 mod shard;
@@ -562,8 +563,8 @@ impl DispatcherBuilder {
         let classes = Classes::new(
             self.classes.clone(),
             shards,
-            batch,
-            idle_credit,
+            (batch, idle_credit),
+            self.rate,
             &self.clock,
         )?;
         let shared = Shared::new(

@@ -202,6 +202,16 @@ impl<P: Payload> Queues<P> {
                 behind = Some(behind.map_or(a.tokens, |b| b.min(a.tokens)));
                 continue;
             }
+            // Latency-target mode: the other classes draw from the controller's budget (last,
+            // so nothing is taken for a request that does not go).
+            if let Some(lc) = shared.latency().filter(|lc| !lc.is_protected(c)) {
+                let cost = self.classes[c].entries.front().expect("non-empty").cost;
+                if let Err(wait) = lc.take(cost) {
+                    self.skipped[c] = true;
+                    cap_wait = Some(cap_wait.map_or(wait, |w| w.min(wait)));
+                    continue;
+                }
+            }
             let q = &mut self.classes[c];
             let e = q.entries.pop_front().expect("non-empty");
             q.head_paid = false;

@@ -125,6 +125,11 @@ impl Drop for Exit {
 impl Drop for Completion {
     fn drop(&mut self) {
         let shared = &self.inflight.shared;
+        if let Some(lc) = shared.classes.latency() {
+            // Latency-target mode samples the end-to-end latency (submission → completion).
+            let latency = shared.clock.now().saturating_sub(self.times.0);
+            lc.record(self.class, latency);
+        }
         shared.budget.release(self.cost);
         if shared.budget.is_capped() {
             // Capacity came back: wake the shards that wait for it (every shard shares it).

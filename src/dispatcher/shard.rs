@@ -109,6 +109,9 @@ impl<P: Payload> ShardCore<P> {
             self.next_replenish = now;
             self.queues.refresh(&self.shared.classes);
         }
+        if let Some(lc) = self.shared.classes.latency() {
+            lc.tick(now);
+        }
         loop {
             if now >= self.next_replenish {
                 self.shared.budget.replenish_at(now);

@@ -1,7 +1,16 @@
-//! One reconnecting connection with a cache of prepared statements.
+//! Reconnecting connections with a cache of prepared statements, and a set of them that
+//! spreads keys over several server sessions.
+//!
+//! A [`Conn`] connects lazily and again after it was lost, with a back-off: after a failed
+//! connect, calls fail at once (with the last failure's text) until the back-off has passed,
+//! doubling from 50 ms up to 2 s, so a server that is down is not hammered by every call. Every
+//! call has an optional timeout ([`PgOptions::with_call_timeout`]); a call that times out
+//! drops its connection (its outcome is unknown).
 
 use std::collections::HashMap;
+use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use tokio_postgres::{Client, Config, NoTls, Statement};
 
@@ -39,24 +48,43 @@ pub(crate) struct Conn {
     options: PgOptions,
     live: Mutex<Option<Arc<Live>>>,
     connecting: tokio::sync::Mutex<()>,
+    /// After a failed connect: when to try again, the current back-off, and why it failed.
+    down: Mutex<Option<Down>>,
     pub(crate) stats: Stats,
 }
+
+#[derive(Debug, Clone)]
+struct Down {
+    until: Instant,
+    backoff: Duration,
+    why: String,
+}
+
+const BACKOFF_MIN: Duration = Duration::from_millis(50);
+const BACKOFF_MAX: Duration = Duration::from_secs(2);
 
 impl Conn {
     /// Parses `config` (a libpq-style string or a URL) and connects once.
     pub(crate) async fn connect(config: &str, options: PgOptions) -> Result<Conn, PgLimitError> {
+        let conn = Conn::lazy(config, options)?;
+        conn.live().await.map_err(PgLimitError::from)?;
+        Ok(conn)
+    }
+
+    /// Parses `config`; connects on first use.
+    pub(crate) fn lazy(config: &str, options: PgOptions) -> Result<Conn, PgLimitError> {
+        options.validate()?;
         let parsed: Config = config
             .parse()
             .map_err(|e| PgLimitError::Connection { source: e })?;
-        let conn = Conn {
+        Ok(Conn {
             config: parsed,
             options,
             live: Mutex::new(None),
             connecting: tokio::sync::Mutex::new(()),
+            down: Mutex::new(None),
             stats: Stats::default(),
-        };
-        conn.live().await.map_err(PgLimitError::from)?;
-        Ok(conn)
+        })
     }
 
     fn current(&self) -> Option<Arc<Live>> {
@@ -73,7 +101,31 @@ impl Conn {
         if let Some(l) = self.current() {
             return Ok(l);
         }
-        let (client, connection) = self.config.connect(NoTls).await?;
+        if let Some(d) = self.down.lock().expect("back-off").clone() {
+            let now = Instant::now();
+            if now < d.until {
+                return Err(RunError::Typed(PgLimitError::Unavailable {
+                    retry_in: d.until - now,
+                    why: d.why,
+                }));
+            }
+        }
+        let (client, connection) = match self.config.connect(NoTls).await {
+            Ok(c) => c,
+            Err(e) => {
+                let mut down = self.down.lock().expect("back-off");
+                let backoff = down
+                    .as_ref()
+                    .map_or(BACKOFF_MIN, |d| (d.backoff * 2).min(BACKOFF_MAX));
+                *down = Some(Down {
+                    until: Instant::now() + backoff,
+                    backoff,
+                    why: crate::error::pg_error_text(&e),
+                });
+                return Err(e.into());
+            }
+        };
+        *self.down.lock().expect("back-off") = None;
         tokio::spawn(async move {
             if let Err(e) = connection.await {
                 tracing::debug!(error = %e, "postgres connection ended");
@@ -87,10 +139,18 @@ impl Conn {
         // plan_cache_mode: the limiter's statements have one good plan (a primary-key probe);
         // left to `auto`, the server keeps re-planning the upsert for every call (custom
         // plans), which costs about as much as running it.
-        let sync = if self.options.synchronous_commit {
-            ""
-        } else {
+        // synchronous_commit: `false` turns it off for this session; `true` makes sure it is
+        // not off (the server, database or role may have it off), keeping a stronger
+        // `remote_*` setting when there is one.
+        let sync = if !self.options.synchronous_commit {
             "SET synchronous_commit TO off;"
+        } else {
+            let row = client.query_one("SHOW synchronous_commit", &[]).await?;
+            if row.get::<_, &str>(0) == "off" {
+                "SET synchronous_commit TO on;"
+            } else {
+                ""
+            }
         };
         client
             .batch_execute(&format!(
@@ -120,11 +180,31 @@ impl Conn {
     {
         let policy = self.options.retry;
         let f = &f;
-        let r = with_retries(&policy, &self.stats, move || async move {
+        let call = with_retries(&policy, &self.stats, move || async move {
             let live = self.live().await?;
             f(live).await
-        })
-        .await;
+        });
+        let r = match self.options.call_timeout {
+            None => call.await,
+            Some(after) => match tokio::time::timeout(after, call).await {
+                Ok(r) => r,
+                Err(_) => {
+                    // The statement may still run on the server: ask the server to cancel it
+                    // (it may have committed already: the outcome is unknown) and start the
+                    // next call on a fresh session.
+                    if let Some(live) = self.current() {
+                        let token = live.client.cancel_token();
+                        tokio::spawn(async move {
+                            if let Err(e) = token.cancel_query(NoTls).await {
+                                tracing::debug!(error = %e, "cancelling a timed-out call failed");
+                            }
+                        });
+                    }
+                    self.drop_live();
+                    return Err(PgLimitError::TimedOut { after });
+                }
+            },
+        };
         match r {
             Ok(v) => Ok(v),
             Err(RunError::Pg(e)) => {
@@ -140,5 +220,49 @@ impl Conn {
                 Err(e)
             }
         }
+    }
+}
+
+/// Several connections; each key always uses the same one, so one key's statements keep
+/// their order and queue on its row lock in one session, while different keys' statements
+/// (and their commits' WAL flushes) run in parallel on the server.
+#[derive(Debug)]
+pub(crate) struct Pool {
+    conns: Vec<Conn>,
+}
+
+impl Pool {
+    /// Connects the first connection now (to report a bad configuration at once); the others
+    /// connect on first use.
+    pub(crate) async fn connect(config: &str, options: PgOptions) -> Result<Pool, PgLimitError> {
+        let n = options.connections;
+        let mut conns = vec![Conn::connect(config, options.clone()).await?];
+        for _ in 1..n {
+            conns.push(Conn::lazy(config, options.clone())?);
+        }
+        Ok(Pool { conns })
+    }
+
+    /// The connection of `key`.
+    pub(crate) fn for_key(&self, key: &str) -> &Conn {
+        if self.conns.len() == 1 {
+            return &self.conns[0];
+        }
+        // A fixed hash: a key keeps its connection for the life of the pool.
+        let h = BuildHasherDefault::<DefaultHasher>::default().hash_one(key);
+        &self.conns[(h % self.conns.len() as u64) as usize]
+    }
+
+    /// The first connection (installation, settings).
+    pub(crate) fn first(&self) -> &Conn {
+        &self.conns[0]
+    }
+
+    /// The counters of all connections together.
+    pub(crate) fn stats(&self) -> super::PgStats {
+        self.conns
+            .iter()
+            .map(|c| c.stats.snapshot())
+            .fold(super::PgStats::default(), |a, b| a.merge(b))
     }
 }

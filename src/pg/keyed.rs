@@ -15,7 +15,7 @@
 
 use std::time::SystemTime;
 
-use super::conn::Conn;
+use super::conn::Pool;
 use super::retry::PgStats;
 use super::schema::{self, Schema};
 use super::{check_classic, check_count, check_key, PgOptions, MICRO};
@@ -60,16 +60,22 @@ pub(crate) fn take_sql(
     )
 }
 
-/// [`take_sql`] for the prepared statement: `$1` key, `$2` rate, `$3` capacity, `$4` tokens,
-/// `$5` partial, `$6` time.
-fn take_statement() -> String {
+/// [`take_sql`] for a prepared statement: `$1` key, `$2` rate, `$3` capacity, `$4` tokens,
+/// and `$5` the time when `at` (else the server's clock). `partial` is a literal, so the
+/// planner folds the `CASE` away and each of the four statements is as small as the classic
+/// function's.
+fn take_statement(partial: bool, at: bool) -> String {
     take_sql(
         "$1::text",
         "$2::bigint",
         "$3::bigint",
         "$4::bigint",
-        "$5::boolean",
-        "$6::timestamptz",
+        if partial { "true" } else { "false" },
+        if at {
+            "$5::timestamptz"
+        } else {
+            "NULL::timestamptz"
+        },
     )
 }
 
@@ -117,15 +123,17 @@ impl Grant {
 /// a refused call takes nothing (the classic one can leave a debt of one token), and
 /// fractions of a token are kept exactly.
 ///
-/// One limiter is one connection (statements from concurrent tasks are pipelined on it);
-/// make several for parallelism on the server. A lost connection makes the call in flight
+/// One limiter holds [`PgOptions::with_connections`] server sessions (default 4), opened on
+/// first use; a key always uses the same one (statements from concurrent tasks are pipelined
+/// on it), different keys run in parallel on the server. A lost connection makes the call in flight
 /// fail with [`PgLimitError::Connection`] (it may or may not have taken its token) and the
 /// next call reconnects.
 #[derive(Debug)]
 pub struct PgKeyedLimiter {
-    conn: Conn,
+    pool: Pool,
     schema: Schema,
-    take_sql: String,
+    /// The take statement by `[partial as usize * 2 + at.is_some() as usize]`.
+    take_sql: [String; 4],
     peek_sql: String,
     give_back_sql: String,
 }
@@ -134,12 +142,17 @@ impl PgKeyedLimiter {
     /// Connects to `config` (`"host=… user=…"` or `postgresql://…`), without TLS.
     pub async fn connect(config: &str, options: PgOptions) -> Result<Self, PgLimitError> {
         let schema = Schema::new(options.schema())?;
-        let conn = Conn::connect(config, options).await?;
+        let pool = Pool::connect(config, options).await?;
         Ok(PgKeyedLimiter {
-            take_sql: schema.sql(&take_statement()),
+            take_sql: [
+                schema.sql(&take_statement(false, false)),
+                schema.sql(&take_statement(false, true)),
+                schema.sql(&take_statement(true, false)),
+                schema.sql(&take_statement(true, true)),
+            ],
             peek_sql: schema.sql(PEEK_SQL),
             give_back_sql: schema.sql(GIVE_BACK_SQL),
-            conn,
+            pool,
             schema,
         })
     }
@@ -151,13 +164,13 @@ impl PgKeyedLimiter {
 
     /// Creates or upgrades the tables in the limiter's schema ([`schema::install`]).
     pub async fn install(&self) -> Result<(), PgLimitError> {
-        let live = self.conn.live().await?;
+        let live = self.pool.first().live().await?;
         schema::install(&live.client, &self.schema).await
     }
 
     /// Installs the classic SQL function ([`schema::install_classic_function`]).
     pub async fn install_classic_function(&self) -> Result<(), PgLimitError> {
-        let live = self.conn.live().await?;
+        let live = self.pool.first().live().await?;
         schema::install_classic_function(&live.client, &self.schema).await
     }
 
@@ -238,7 +251,8 @@ impl PgKeyedLimiter {
         let rate = i64::from(refill_per_sec);
         let sql = self.peek_sql.as_str();
         let micro: Option<i64> = self
-            .conn
+            .pool
+            .for_key(id)
             .run(|live| async move {
                 let st = live.prepared(sql).await?;
                 let row = live.client.query_opt(&st, &[&id, &rate, &cap, &at]).await?;
@@ -277,14 +291,23 @@ impl PgKeyedLimiter {
     ) -> Result<Grant, PgLimitError> {
         check_key(id)?;
         check_count(n)?;
-        let sql = self.take_sql.as_str();
-        self.conn
+        let sql = self.take_sql[usize::from(partial) * 2 + usize::from(at.is_some())].as_str();
+        self.pool
+            .for_key(id)
             .run(|live| async move {
                 let st = live.prepared(sql).await?;
-                let row = live
-                    .client
-                    .query_one(&st, &[&id, &rate, &cap_micro, &n, &partial, &at])
-                    .await?;
+                let row = match &at {
+                    None => {
+                        live.client
+                            .query_one(&st, &[&id, &rate, &cap_micro, &n])
+                            .await?
+                    }
+                    Some(at) => {
+                        live.client
+                            .query_one(&st, &[&id, &rate, &cap_micro, &n, at])
+                            .await?
+                    }
+                };
                 Ok(Grant {
                     micro_left: row.get(0),
                     granted: row.get(1),
@@ -320,7 +343,8 @@ impl PgKeyedLimiter {
         check_key(id)?;
         check_count(n)?;
         let sql = self.give_back_sql.as_str();
-        self.conn
+        self.pool
+            .for_key(id)
             .run(|live| async move {
                 let st = live.prepared(sql).await?;
                 live.client
@@ -331,8 +355,23 @@ impl PgKeyedLimiter {
             .await
     }
 
+    /// The value of a setting in the limiter's own session (`current_setting(name)`), e.g.
+    /// `"synchronous_commit"`: what its statements actually run with.
+    pub async fn session_setting(&self, name: &str) -> Result<String, PgLimitError> {
+        self.pool
+            .first()
+            .run(|live| async move {
+                let row = live
+                    .client
+                    .query_one("SELECT current_setting($1)", &[&name])
+                    .await?;
+                Ok(row.get(0))
+            })
+            .await
+    }
+
     /// The counters: calls, retries, connections.
     pub fn stats(&self) -> PgStats {
-        self.conn.stats.snapshot()
+        self.pool.stats()
     }
 }

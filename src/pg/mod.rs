@@ -39,6 +39,9 @@ use crate::error::PgLimitError;
 /// [`PgLimitError::KeyTooLong`]; the tables enforce the same limit with a `CHECK`.
 pub const MAX_KEY_BYTES: usize = 256;
 
+/// The most server sessions one limiter opens ([`PgOptions::with_connections`]).
+pub const MAX_CONNECTIONS: usize = 64;
+
 /// The largest bucket, in tokens: `window × rate` (or the burst) must not exceed it, so that
 /// the micro-token arithmetic (`tokens × 10^6` in a `bigint`) never overflows.
 pub const MAX_CAPACITY: i64 = (1 << 61) / 1_000_000;
@@ -77,6 +80,8 @@ pub struct PgOptions {
     isolation: Isolation,
     synchronous_commit: bool,
     retry: RetryPolicy,
+    connections: usize,
+    call_timeout: Option<std::time::Duration>,
 }
 
 impl Default for PgOptions {
@@ -86,13 +91,15 @@ impl Default for PgOptions {
             isolation: Isolation::ReadCommitted,
             synchronous_commit: true,
             retry: RetryPolicy::default(),
+            connections: 4,
+            call_timeout: Some(std::time::Duration::from_secs(30)),
         }
     }
 }
 
 impl PgOptions {
-    /// Schema `iothrottle`, READ COMMITTED, `synchronous_commit` as the server has it, the
-    /// default [`RetryPolicy`].
+    /// Schema `iothrottle`, READ COMMITTED, durable commits (`synchronous_commit` at least
+    /// `local`), the default [`RetryPolicy`].
     pub fn new() -> Self {
         Self::default()
     }
@@ -111,7 +118,9 @@ impl PgOptions {
 
     /// `false` sets `synchronous_commit = off` on the limiter's session: a grant is not worth
     /// a disk flush; a server crash may forget the last few hundred milliseconds of grants
-    /// (callers may then be granted up to that many tokens again). Default `true`.
+    /// (callers may then be granted up to that many tokens again). `true` (the default) sets
+    /// it `on` when the server, database or role has it `off`, so that a grant the server
+    /// acknowledged survives a server crash; a stronger `remote_*` setting is kept.
     pub fn with_synchronous_commit(mut self, on: bool) -> Self {
         self.synchronous_commit = on;
         self
@@ -121,6 +130,47 @@ impl PgOptions {
     pub fn with_retry(mut self, retry: RetryPolicy) -> Self {
         self.retry = retry;
         self
+    }
+
+    /// Server sessions per strict or leased limiter (default 4; 1 to
+    /// [`MAX_CONNECTIONS`]): each key always uses the same one, so different keys' statements
+    /// and their commits run in parallel. Opened on first use (the first one at connect).
+    /// Values outside the range are refused at connect with
+    /// [`InvalidOption`](PgLimitError::InvalidOption).
+    pub fn with_connections(mut self, n: usize) -> Self {
+        self.connections = n;
+        self
+    }
+
+    /// Fails a call that takes longer than `timeout` (retries and reconnecting included) with
+    /// [`TimedOut`](PgLimitError::TimedOut) and drops its connection; `None`: no limit.
+    /// Default 30 s.
+    pub fn with_call_timeout(mut self, timeout: Option<std::time::Duration>) -> Self {
+        self.call_timeout = timeout;
+        self
+    }
+
+    /// Server sessions per limiter.
+    pub fn connections(&self) -> usize {
+        self.connections
+    }
+
+    /// Checks the options that can be wrong.
+    pub fn validate(&self) -> Result<(), PgLimitError> {
+        Schema::new(&self.schema)?;
+        if self.connections == 0 || self.connections > MAX_CONNECTIONS {
+            return Err(PgLimitError::InvalidOption {
+                name: "connections",
+                reason: "must be in 1..=MAX_CONNECTIONS",
+            });
+        }
+        if self.call_timeout.is_some_and(|t| t.is_zero()) {
+            return Err(PgLimitError::InvalidOption {
+                name: "call_timeout",
+                reason: "must be positive (or None for no limit)",
+            });
+        }
+        Ok(())
     }
 
     /// The schema name.

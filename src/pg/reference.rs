@@ -2,10 +2,13 @@
 //!
 //! Written from its published description (see `docs/postgres.md`): an integer `tk`, `ts`
 //! reset to `now()` on every call while the refill is measured with `clock_timestamp()`,
-//! UPDATE-then-INSERT. It has the defects this crate's strict mode fixes — a busy key's
-//! refill rounds to zero, and two first calls for a new key race to a unique-key violation
-//! under READ COMMITTED. It lives in its own table (`reference_token_bucket`) and is called
-//! `reference_rate_limiting_request`, so it never collides with
+//! UPDATE-then-INSERT. It has the defects this crate's strict mode fixes: each call's refill
+//! is rounded to the *nearest* whole token (calls at least half a token apart over-grant,
+//! calls less than half a token apart never refill; test
+//! `reference_function_rounds_to_the_nearest_token`), and two first calls for a new key race
+//! to a unique-key violation under READ COMMITTED. It lives in its own table
+//! (`reference_token_bucket`) and is called `reference_rate_limiting_request`, so it never
+//! collides with
 //! [`install_classic_function`](super::install_classic_function).
 
 use tokio_postgres::Client;

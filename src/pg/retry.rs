@@ -135,6 +135,20 @@ pub struct PgStats {
     pub connection_errors: u64,
 }
 
+impl PgStats {
+    /// The counters of two connections together (`max_retries`: the larger).
+    pub(crate) fn merge(self, o: PgStats) -> PgStats {
+        PgStats {
+            calls: self.calls + o.calls,
+            retries: self.retries + o.retries,
+            gave_up: self.gave_up + o.gave_up,
+            max_retries: self.max_retries.max(o.max_retries),
+            connects: self.connects + o.connects,
+            connection_errors: self.connection_errors + o.connection_errors,
+        }
+    }
+}
+
 /// The live counters behind [`PgStats`].
 #[derive(Debug, Default)]
 pub(crate) struct Stats {

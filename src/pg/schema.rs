@@ -13,7 +13,7 @@ use tokio_postgres::Client;
 
 use super::keyed::take_sql;
 use super::retry::typed;
-use super::MAX_KEY_BYTES;
+use super::{MAX_CAPACITY, MAX_KEY_BYTES};
 use crate::error::PgLimitError;
 
 /// The schema version this crate installs.
@@ -192,6 +192,12 @@ BEGIN
     IF window_seconds IS NULL OR window_seconds < 1 THEN
         RAISE EXCEPTION 'window_seconds must be at least 1' USING ERRCODE = '22023';
     END IF;
+    -- Like the Rust API (MAX_CAPACITY): the micro-token arithmetic stays inside bigint for
+    -- every later call, however long the key was idle.
+    IF window_seconds::bigint * refill_per_sec > {max_capacity} THEN
+        RAISE EXCEPTION 'window_seconds x refill_per_sec = % tokens is above the maximum of {max_capacity}',
+            window_seconds::bigint * refill_per_sec USING ERRCODE = '22023';
+    END IF;
     cap := window_seconds::bigint * refill_per_sec * 1000000;
     {take_statement}
     INTO left_micro, got, t_at;
@@ -214,7 +220,8 @@ fn render(schema: &Schema, sql: &str) -> String {
     );
     schema.sql(
         &sql.replace("{take_statement}", &classic_take)
-            .replace("{max_key}", &MAX_KEY_BYTES.to_string()),
+            .replace("{max_key}", &MAX_KEY_BYTES.to_string())
+            .replace("{max_capacity}", &MAX_CAPACITY.to_string()),
     )
 }
 

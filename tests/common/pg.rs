@@ -22,6 +22,8 @@ pub struct PgCluster {
     data: PathBuf,
     port: u16,
     owner: Option<(u32, u32)>,
+    /// Extra `-c name=value` server settings, kept across restarts.
+    settings: Vec<(String, String)>,
     child: Option<Child>,
     // Declared last: removed after the server has stopped.
     _dir: tempfile::TempDir,
@@ -31,8 +33,20 @@ pub struct PgCluster {
 ///
 /// Panics when the binaries are missing and `CI=true`, or when a cluster cannot be started.
 pub fn cluster_or_skip(test: &str) -> Option<PgCluster> {
+    cluster_with_settings_or_skip(test, &[])
+}
+
+/// [`cluster_or_skip`] with extra server settings (`-c name=value`), e.g.
+/// `("synchronous_commit", "off")`; they stay in force across restarts.
+pub fn cluster_with_settings_or_skip(test: &str, settings: &[(&str, &str)]) -> Option<PgCluster> {
+    let settings: Vec<(String, String)> = settings
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
     match find_bin() {
-        Some(bin) => Some(PgCluster::start(bin).unwrap_or_else(|e| panic!("{test}: {e}"))),
+        Some(bin) => {
+            Some(PgCluster::start(bin, settings).unwrap_or_else(|e| panic!("{test}: {e}")))
+        }
         None => {
             let msg = format!(
                 "{test}: PostgreSQL binaries (initdb, postgres) not found in $IOTHROTTLE_PG_BIN, \
@@ -98,7 +112,7 @@ fn free_port() -> u16 {
 }
 
 impl PgCluster {
-    fn start(bin: PathBuf) -> Result<PgCluster, String> {
+    fn start(bin: PathBuf, settings: Vec<(String, String)>) -> Result<PgCluster, String> {
         let dir = tempfile::Builder::new()
             .prefix("iothrottle-pg-")
             .tempdir()
@@ -137,6 +151,7 @@ impl PgCluster {
             data,
             port: free_port(),
             owner,
+            settings,
             child: None,
             _dir: dir,
         };
@@ -154,6 +169,11 @@ impl PgCluster {
             .arg(self._dir.path())
             .args(["-c", "listen_addresses=127.0.0.1", "-c", "fsync=off"])
             .args(["-c", "max_connections=200"])
+            .args(
+                self.settings
+                    .iter()
+                    .flat_map(|(k, v)| ["-c".to_string(), format!("{k}={v}")]),
+            )
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
@@ -218,6 +238,20 @@ impl PgCluster {
     /// The same as a URL: `postgresql://postgres@127.0.0.1:PORT/postgres`.
     pub fn url(&self) -> String {
         format!("postgresql://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    /// The connection string of another role (`user=NAME`); the cluster trusts every local
+    /// connection (`-A trust`), so no password is needed.
+    pub fn connection_string_as(&self, user: &str) -> String {
+        format!(
+            "host=127.0.0.1 port={} user={user} dbname=postgres",
+            self.port
+        )
+    }
+
+    /// The data directory (owned by the server's user).
+    pub fn data_dir(&self) -> &Path {
+        &self.data
     }
 
     /// The port the server listens on.

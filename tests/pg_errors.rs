@@ -1,0 +1,301 @@
+//! Error messages keep the server's SQLSTATE and text (issue 11, defect 3): before, a killed
+//! session read "connection to PostgreSQL lost (…): db error".
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use common::pg::{cluster_or_skip, PgCluster};
+use iothrottle::pg::{PgKeyedLimiter, PgOptions, PgWindowLimiter, Zone};
+use iothrottle::PgLimitError;
+use tokio_postgres::NoTls;
+
+fn t0() -> SystemTime {
+    UNIX_EPOCH + Duration::from_secs(1_900_000_000)
+}
+
+async fn client(pg: &PgCluster) -> tokio_postgres::Client {
+    let (c, conn) = tokio_postgres::connect(&pg.connection_string(), NoTls)
+        .await
+        .expect("connect");
+    tokio::spawn(conn);
+    c
+}
+
+/// The pid of the limiter's session once it waits for a lock.
+async fn waiting_backend(c: &tokio_postgres::Client) -> i32 {
+    loop {
+        // Inside the blocker's transaction the activity view is a snapshot taken once per
+        // transaction: drop it, or a first look taken too early is seen forever.
+        c.execute("SELECT pg_stat_clear_snapshot()", &[])
+            .await
+            .unwrap();
+        let row = c
+            .query_opt(
+                "SELECT pid FROM pg_stat_activity WHERE application_name = 'iothrottle' \
+                 AND wait_event_type = 'Lock'",
+                &[],
+            )
+            .await
+            .unwrap();
+        if let Some(r) = row {
+            return r.get(0);
+        }
+        tokio::task::yield_now().await;
+    }
+}
+
+#[tokio::test]
+async fn terminated_backend_error_shows_sqlstate_and_server_message() {
+    let Some(pg) = cluster_or_skip("terminated_backend_error_shows_sqlstate_and_server_message")
+    else {
+        return;
+    };
+    let l = PgKeyedLimiter::connect(&pg.connection_string(), PgOptions::new())
+        .await
+        .unwrap();
+    l.install().await.unwrap();
+    l.request_n_at("k", 1, 100, 1, t0()).await.unwrap();
+    // Park the limiter's statement on a row lock, then terminate its backend.
+    let blocker = client(&pg).await;
+    blocker
+        .batch_execute("BEGIN; UPDATE iothrottle.token_bucket SET granted = 0 WHERE id = 'k'")
+        .await
+        .unwrap();
+    let (res, ()) = tokio::join!(l.request_n_at("k", 1, 100, 1, t0()), async {
+        let pid = waiting_backend(&blocker).await;
+        blocker
+            .query_one("SELECT pg_terminate_backend($1)", &[&pid])
+            .await
+            .unwrap();
+    });
+    let err = res.unwrap_err();
+    assert!(matches!(err, PgLimitError::Connection { .. }), "{err:?}");
+    let text = err.to_string();
+    assert!(text.contains("57P01"), "{text}");
+    assert!(
+        text.contains("terminating connection due to administrator command"),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn server_error_shows_sqlstate_and_server_message() {
+    let Some(pg) = cluster_or_skip("server_error_shows_sqlstate_and_server_message") else {
+        return;
+    };
+    // Not installed: the statement fails on the server with 42P01 (no such table).
+    let l = PgKeyedLimiter::connect(&pg.connection_string(), PgOptions::new())
+        .await
+        .unwrap();
+    let err = l.request("k", 1, 10).await.unwrap_err();
+    let text = err.to_string();
+    assert!(
+        matches!(&err, PgLimitError::Db { sqlstate, .. } if sqlstate == "42P01"),
+        "{err:?}"
+    );
+    assert!(text.contains("42P01"), "{text}");
+    assert!(
+        text.contains("relation \"iothrottle.token_bucket\" does not exist"),
+        "{text}"
+    );
+}
+
+/// A fast shutdown under load: calls in flight are told why (57P01 from the terminated
+/// backends, 57P03 while the server shuts down, or the socket's error once it is gone), and
+/// no error reads as the driver's bare "db error".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_stopped_under_load_errors_say_why() {
+    let Some(mut pg) = cluster_or_skip("server_stopped_under_load_errors_say_why") else {
+        return;
+    };
+    let keyed = Arc::new(
+        PgKeyedLimiter::connect(&pg.connection_string(), PgOptions::new())
+            .await
+            .unwrap(),
+    );
+    keyed.install().await.unwrap();
+    let window = Arc::new(
+        PgWindowLimiter::connect(&pg.connection_string(), PgOptions::new())
+            .await
+            .unwrap(),
+    );
+    window
+        .upsert_zone(&Zone {
+            id: "login".into(),
+            description: String::new(),
+            rate: 1_000_000,
+            window_seconds: 60,
+        })
+        .await
+        .unwrap();
+    let mut tasks = Vec::new();
+    for i in 0..4 {
+        let (keyed, window) = (keyed.clone(), window.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut errors = Vec::new();
+            while errors.len() < 3 {
+                let r = if i % 2 == 0 {
+                    keyed.request(&format!("k{i}"), 1_000, 60).await.map(|_| ())
+                } else {
+                    window.check("login", "u").await.map(|_| ())
+                };
+                if let Err(e) = r {
+                    errors.push(e.to_string());
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            }
+            errors
+        }));
+    }
+    // Let the load start, then stop the server under it.
+    while keyed.stats().calls < 50 || window.stats().calls < 50 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    pg.stop();
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.unwrap());
+    }
+    eprintln!("{all:#?}");
+    for e in &all {
+        assert!(!e.ends_with("db error"), "{e}");
+        let says_why = [
+            "57P01",
+            "57P03",
+            "08",
+            "refused",
+            "closed",
+            "reset",
+            "broken pipe",
+        ]
+        .iter()
+        .any(|w| e.to_lowercase().contains(&w.to_lowercase()));
+        assert!(says_why, "{e}");
+    }
+    assert!(
+        all.iter().any(|e| e.contains("57P01")),
+        "a call in flight saw the shutdown: {all:#?}"
+    );
+}
+
+/// Per-call timeouts: a call stuck on a row lock fails with `TimedOut` after its timeout
+/// (whatever the server does), and the next call runs on a fresh session.
+#[tokio::test]
+async fn a_stuck_call_times_out_and_the_next_one_reconnects() {
+    let Some(pg) = cluster_or_skip("a_stuck_call_times_out_and_the_next_one_reconnects") else {
+        return;
+    };
+    let opts = PgOptions::new()
+        .with_connections(1)
+        .with_call_timeout(Some(Duration::from_millis(200)));
+    let l = PgKeyedLimiter::connect(&pg.connection_string(), opts)
+        .await
+        .unwrap();
+    l.install().await.unwrap();
+    l.request_n_at("k", 1, 100, 1, t0()).await.unwrap();
+    let blocker = client(&pg).await;
+    blocker
+        .batch_execute("BEGIN; UPDATE iothrottle.token_bucket SET granted = 0 WHERE id = 'k'")
+        .await
+        .unwrap();
+    let err = l.request_n_at("k", 1, 100, 1, t0()).await.unwrap_err();
+    assert!(
+        matches!(err, PgLimitError::TimedOut { after } if after == Duration::from_millis(200)),
+        "{err:?}"
+    );
+    // The limiter asked the server to cancel the stuck statement: it stops waiting.
+    loop {
+        blocker
+            .execute("SELECT pg_stat_clear_snapshot()", &[])
+            .await
+            .unwrap();
+        let waiting: i64 = blocker
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'iothrottle' \
+                 AND wait_event_type = 'Lock'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if waiting == 0 {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    blocker.batch_execute("ROLLBACK").await.unwrap();
+    // The cancelled statement took nothing; the next call runs on a new session.
+    assert_eq!(l.request_n_at("k", 1, 100, 1, t0()).await.unwrap(), 98);
+    assert_eq!(l.stats().connects, 2);
+    assert!(matches!(
+        PgKeyedLimiter::connect(
+            &pg.connection_string(),
+            PgOptions::new().with_call_timeout(Some(Duration::ZERO))
+        )
+        .await,
+        Err(PgLimitError::InvalidOption {
+            name: "call_timeout",
+            ..
+        })
+    ));
+    for n in [0, iothrottle::pg::MAX_CONNECTIONS + 1] {
+        assert!(matches!(
+            PgKeyedLimiter::connect(
+                &pg.connection_string(),
+                PgOptions::new().with_connections(n)
+            )
+            .await,
+            Err(PgLimitError::InvalidOption {
+                name: "connections",
+                ..
+            })
+        ));
+    }
+}
+
+/// Reconnecting backs off: while the server is down, a failed connect makes the calls of the
+/// next moment fail at once with `Unavailable` (saying why), instead of each trying again.
+#[tokio::test]
+async fn reconnecting_backs_off_and_says_why() {
+    let Some(mut pg) = cluster_or_skip("reconnecting_backs_off_and_says_why") else {
+        return;
+    };
+    let l = PgKeyedLimiter::connect(
+        &pg.connection_string(),
+        PgOptions::new().with_connections(1),
+    )
+    .await
+    .unwrap();
+    l.install().await.unwrap();
+    l.request("k", 10, 10).await.unwrap();
+    pg.stop();
+    // The call that finds the session gone, then the connect that is refused.
+    let mut errors = Vec::new();
+    let unavailable = loop {
+        match l.request("k", 10, 10).await {
+            Err(e @ PgLimitError::Unavailable { .. }) => break e,
+            Err(e) => errors.push(e.to_string()),
+            Ok(_) => panic!("the server is down"),
+        }
+        assert!(errors.len() < 10, "{errors:#?}");
+    };
+    let text = unavailable.to_string();
+    assert!(text.to_lowercase().contains("refused"), "{text}");
+    match unavailable {
+        PgLimitError::Unavailable { retry_in, .. } => {
+            assert!(retry_in > Duration::ZERO && retry_in <= Duration::from_secs(2))
+        }
+        _ => unreachable!(),
+    }
+    pg.start_again().unwrap();
+    // Back once the back-off has passed.
+    loop {
+        match l.request("k", 10, 10).await {
+            Ok(_) => break,
+            Err(PgLimitError::Unavailable { retry_in, .. }) => tokio::time::sleep(retry_in).await,
+            Err(e) => panic!("after the restart: {e}"),
+        }
+    }
+}
