@@ -55,7 +55,12 @@ fn main() -> ExitCode {
     println!("random write ladder: {}", ladder(&cal.write_ladder));
     println!(
         "read_iops={} (qd {}) write_iops={} (qd {}) read_bandwidth={} write_bandwidth={}",
-        d.read_iops, cal.read_depth, d.write_iops, cal.write_depth, d.read_bandwidth, d.write_bandwidth
+        d.read_iops,
+        cal.read_depth,
+        d.write_iops,
+        cal.write_depth,
+        d.read_bandwidth,
+        d.write_bandwidth
     );
     println!(
         "calibrate: read_qd={} write_qd={} fill_s={:.2} wall_s={:.2}",

@@ -522,6 +522,13 @@ pub enum DiskError {
         /// The file system's type, as `statfs` names it.
         fs: String,
     },
+    /// A file handed to [`ThrottledFile::from_file`](crate::disk::ThrottledFile::from_file) was
+    /// not opened with `O_DIRECT`.
+    #[error("{path} was not opened with O_DIRECT")]
+    NotDirect {
+        /// The file's name, as given.
+        path: std::path::PathBuf,
+    },
     /// The file lives in memory (tmpfs, ramfs): O_DIRECT there is not disk I/O, so neither
     /// throttling nor calibrating it means anything.
     #[error(

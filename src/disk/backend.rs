@@ -85,7 +85,9 @@ fn uring_available() -> io::Result<()> {
 pub(crate) enum OpKind {
     Read,
     Write,
-    /// Reserve `len` bytes at `offset` (`fallocate` mode 0).
+    /// Reserve `len` bytes at `offset` (`fallocate` with `FALLOC_FL_KEEP_SIZE`: blocks are
+    /// allocated, the size is left to the write, so a failed reservation changes nothing the
+    /// file's readers can see).
     Fallocate,
 }
 
@@ -165,7 +167,9 @@ struct Driver {
 
 impl Driver {
     fn new() -> io::Result<Arc<Driver>> {
-        let ring = IoUring::builder().setup_cqsize(CQ_ENTRIES).build(SQ_ENTRIES)?;
+        let ring = IoUring::builder()
+            .setup_cqsize(CQ_ENTRIES)
+            .build(SQ_ENTRIES)?;
         // SAFETY: plain syscall with no pointers.
         let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
         if fd < 0 {
@@ -300,10 +304,15 @@ fn uring_submit(io: RawIo) -> Result<oneshot::Receiver<i32>, SubmitFailure> {
     let id = g.next;
     g.next = g.next.wrapping_add(1);
     let entry = match io.kind {
-        OpKind::Read => opcode::Read::new(fd, io.ptr(), len).offset(io.offset).build(),
-        OpKind::Write => opcode::Write::new(fd, io.ptr(), len).offset(io.offset).build(),
+        OpKind::Read => opcode::Read::new(fd, io.ptr(), len)
+            .offset(io.offset)
+            .build(),
+        OpKind::Write => opcode::Write::new(fd, io.ptr(), len)
+            .offset(io.offset)
+            .build(),
         OpKind::Fallocate => opcode::Fallocate::new(fd, io.len as u64)
             .offset(io.offset)
+            .mode(libc::FALLOC_FL_KEEP_SIZE)
             .build(),
     }
     .user_data(id);
@@ -399,16 +408,20 @@ fn blocking(io: &RawIo) -> i32 {
             match io.kind {
                 OpKind::Read => libc::pread(fd, io.ptr().cast(), io.len, offset) as i64,
                 OpKind::Write => libc::pwrite(fd, io.ptr().cast(), io.len, offset) as i64,
-                OpKind::Fallocate => match libc::fallocate(fd, 0, offset, len) {
-                    0 => 0,
-                    _ => -1,
-                },
+                OpKind::Fallocate => {
+                    match libc::fallocate(fd, libc::FALLOC_FL_KEEP_SIZE, offset, len) {
+                        0 => 0,
+                        _ => -1,
+                    }
+                }
             }
         };
         if r >= 0 {
             return i32::try_from(r).unwrap_or(i32::MAX);
         }
-        let errno = io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO);
+        let errno = io::Error::last_os_error()
+            .raw_os_error()
+            .unwrap_or(libc::EIO);
         if errno != libc::EINTR {
             return -errno;
         }

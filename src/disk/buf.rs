@@ -43,10 +43,11 @@ impl AlignedBuf {
     /// A zeroed buffer of `len` bytes; `len` must be a positive multiple of [`ALIGN`].
     pub fn zeroed(len: usize) -> Result<Self, DiskError> {
         check_len(len)?;
-        let layout = Layout::from_size_align(len, ALIGN).map_err(|_| DiskError::OffsetOverflow {
-            offset: 0,
-            len: len as u64,
-        })?;
+        let layout =
+            Layout::from_size_align(len, ALIGN).map_err(|_| DiskError::OffsetOverflow {
+                offset: 0,
+                len: len as u64,
+            })?;
         // SAFETY: `layout` has a non-zero size (checked by `check_len`).
         let raw = unsafe { alloc::alloc_zeroed(layout) };
         let Some(ptr) = NonNull::new(raw) else {
@@ -120,7 +121,9 @@ impl Drop for AlignedBuf {
 
 impl fmt::Debug for AlignedBuf {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("AlignedBuf").field("len", &self.len).finish()
+        f.debug_struct("AlignedBuf")
+            .field("len", &self.len)
+            .finish()
     }
 }
 
@@ -143,7 +146,11 @@ mod tests {
         assert!(matches!(AlignedBuf::zeroed(0), Err(DiskError::EmptyBuffer)));
         assert!(matches!(
             AlignedBuf::zeroed(4095),
-            Err(DiskError::Unaligned { what: "buffer length", value: 4095, align: 4096 })
+            Err(DiskError::Unaligned {
+                what: "buffer length",
+                value: 4095,
+                align: 4096
+            })
         ));
         assert!(matches!(
             AlignedBuf::from_slice(&[1; 512]),

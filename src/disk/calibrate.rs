@@ -83,7 +83,10 @@ pub struct Calibration {
 ///
 /// Errors: a memory file system ([`DiskError::NotADisk`]), no O_DIRECT, a full disk
 /// ([`DiskError::NoSpace`] before anything is written), io_uring unavailable, bad options.
-pub fn calibrate(dir: impl AsRef<Path>, options: &CalibrateOptions) -> Result<IoProperties, CalibrateError> {
+pub fn calibrate(
+    dir: impl AsRef<Path>,
+    options: &CalibrateOptions,
+) -> Result<IoProperties, CalibrateError> {
     calibrate_detailed(dir, options).map(|c| c.properties)
 }
 
@@ -102,12 +105,11 @@ pub fn calibrate_detailed(
         }
         .into());
     }
-    let mountpoint = mountpoint_of(dir).map_err(|source| {
-        crate::error::PropertiesError::Mountpoint {
+    let mountpoint =
+        mountpoint_of(dir).map_err(|source| crate::error::PropertiesError::Mountpoint {
             path: dir.to_owned(),
             source,
-        }
-    })?;
+        })?;
     let path = dir.join(format!(".iothrottle-calibrate-{}.tmp", std::process::id()));
     let scratch = Scratch(path.clone());
     let file = open_direct(&path, true, true)?;
@@ -134,7 +136,8 @@ pub fn calibrate_detailed(
     }
 
     let depth_max = options.max_depth.max(options.sequential_depth);
-    let mut ring = IoUring::new(depth_max.next_power_of_two().max(8)).map_err(CalibrateError::NoIoUring)?;
+    let mut ring =
+        IoUring::new(depth_max.next_power_of_two().max(8)).map_err(CalibrateError::NoIoUring)?;
     let mut bench = Bench {
         ring: &mut ring,
         fd,
@@ -146,7 +149,13 @@ pub fn calibrate_detailed(
     // Write the file once, so that reads read written blocks and writes overwrite them.
     let t = Instant::now();
     bench
-        .run(Op::Write, options.sequential_size, options.sequential_depth, Pattern::Sequential, Stop::Bytes(options.file_size))
+        .run(
+            Op::Write,
+            options.sequential_size,
+            options.sequential_depth,
+            Pattern::Sequential,
+            Stop::Bytes(options.file_size),
+        )
         .map_err(io_err("write"))?;
     let fill = t.elapsed();
 
@@ -161,11 +170,23 @@ pub fn calibrate_detailed(
         .ladder(Op::Write, options.random_size, options.max_depth, rand)
         .map_err(io_err("write"))?;
     let m = bench
-        .run(Op::Read, options.sequential_size, options.sequential_depth, Pattern::Sequential, Stop::After(seq))
+        .run(
+            Op::Read,
+            options.sequential_size,
+            options.sequential_depth,
+            Pattern::Sequential,
+            Stop::After(seq),
+        )
         .map_err(io_err("read"))?;
     let read_bandwidth = m.bytes_per_second();
     let m = bench
-        .run(Op::Write, options.sequential_size, options.sequential_depth, Pattern::Sequential, Stop::After(seq))
+        .run(
+            Op::Write,
+            options.sequential_size,
+            options.sequential_depth,
+            Pattern::Sequential,
+            Stop::After(seq),
+        )
         .map_err(io_err("write"))?;
     let write_bandwidth = m.bytes_per_second();
     drop(file);
@@ -205,14 +226,23 @@ fn check_options(o: &CalibrateOptions) -> Result<(), CalibrateError> {
         return bad(format!("seconds must be in 5..=60, got {}", o.seconds));
     }
     if o.file_size < 64 << 20 || !o.file_size.is_multiple_of(ALIGN as u64) {
-        return bad(format!("file_size must be a multiple of 4096 of at least 64 MiB, got {}", o.file_size));
+        return bad(format!(
+            "file_size must be a multiple of 4096 of at least 64 MiB, got {}",
+            o.file_size
+        ));
     }
-    for (name, v) in [("random_size", o.random_size), ("sequential_size", o.sequential_size)] {
+    for (name, v) in [
+        ("random_size", o.random_size),
+        ("sequential_size", o.sequential_size),
+    ] {
         if v == 0 || v % ALIGN != 0 || v as u64 > o.file_size / 16 || v > 64 << 20 {
             return bad(format!("{name} must be a positive multiple of 4096 of at most file_size/16 and 64 MiB, got {v}"));
         }
     }
-    for (name, v) in [("sequential_depth", o.sequential_depth), ("max_depth", o.max_depth)] {
+    for (name, v) in [
+        ("sequential_depth", o.sequential_depth),
+        ("max_depth", o.max_depth),
+    ] {
         if !(1..=1024).contains(&v) {
             return bad(format!("{name} must be in 1..=1024, got {v}"));
         }
@@ -286,10 +316,19 @@ impl Bench<'_> {
 
     /// Random requests at depths 1, 2, 4, … until two depths in a row add less than 5% to the
     /// best; then the best depth is measured again for the rest of `budget`.
-    fn ladder(&mut self, op: Op, size: usize, max: u32, budget: Duration) -> io::Result<(u32, Vec<DepthStep>, f64)> {
+    fn ladder(
+        &mut self,
+        op: Op,
+        size: usize,
+        max: u32,
+        budget: Duration,
+    ) -> io::Result<(u32, Vec<DepthStep>, f64)> {
         let step = budget.mul_f64(0.08);
         let mut ladder = Vec::new();
-        let mut best = DepthStep { depth: 1, iops: 0.0 };
+        let mut best = DepthStep {
+            depth: 1,
+            iops: 0.0,
+        };
         let started = Instant::now();
         let mut depth = 1;
         // Depths that did not beat the best by 5% in a row: two end the ladder (one alone may
@@ -297,7 +336,10 @@ impl Bench<'_> {
         let mut misses = 0;
         while depth <= max {
             let m = self.run(op, size, depth, Pattern::Random, Stop::After(step))?;
-            let s = DepthStep { depth, iops: m.iops() };
+            let s = DepthStep {
+                depth,
+                iops: m.iops(),
+            };
             ladder.push(s);
             if s.iops >= best.iops * 1.05 {
                 misses = 0;
@@ -318,7 +360,14 @@ impl Bench<'_> {
     }
 
     /// Keeps `depth` requests of `size` in flight until `stop`.
-    fn run(&mut self, op: Op, size: usize, depth: u32, pattern: Pattern, stop: Stop) -> io::Result<Measure> {
+    fn run(
+        &mut self,
+        op: Op,
+        size: usize,
+        depth: u32,
+        pattern: Pattern,
+        stop: Stop,
+    ) -> io::Result<Measure> {
         let depth = depth as usize;
         while self.bufs.len() < depth || self.bufs.first().is_some_and(|b| b.len() < size) {
             if self.bufs.first().is_some_and(|b| b.len() < size) {
@@ -342,7 +391,11 @@ impl Bench<'_> {
         let mut counting_from = None;
         let mut next_seq = 0u64;
         let mut issued_bytes = 0u64;
-        let mut m = Measure { ops: 0, bytes: 0, elapsed: Duration::ZERO };
+        let mut m = Measure {
+            ops: 0,
+            bytes: 0,
+            elapsed: Duration::ZERO,
+        };
         let mut in_flight = 0usize;
         let more = |issued: u64, now: Instant| match stop {
             Stop::After(d) => now.duration_since(started) < d,
@@ -417,8 +470,12 @@ impl Bench<'_> {
         let fd = types::Fd(self.fd);
         let ptr = self.bufs[slot].raw();
         let entry = match op {
-            Op::Read => opcode::Read::new(fd, ptr, size as u32).offset(offset).build(),
-            Op::Write => opcode::Write::new(fd, ptr, size as u32).offset(offset).build(),
+            Op::Read => opcode::Read::new(fd, ptr, size as u32)
+                .offset(offset)
+                .build(),
+            Op::Write => opcode::Write::new(fd, ptr, size as u32)
+                .offset(offset)
+                .build(),
         }
         .user_data(slot as u64);
         // Submitted by the next `submit_and_wait` of `run`/`drain`.

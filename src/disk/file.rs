@@ -11,7 +11,7 @@ use crate::sync::Arc;
 
 use super::backend::{self, Backend, OpKind, RawIo, Resolved};
 use super::buf::{check_len, AlignedBuf, ALIGN};
-use super::fs::{memory_fs, fs_name};
+use super::fs::{fs_name, memory_fs};
 
 /// How a [`ThrottledFile`] is opened and how it issues I/O.
 #[derive(Debug, Clone)]
@@ -101,6 +101,39 @@ impl ThrottledFile {
             });
         }
         let file = open_direct(&path, options.write, options.create)?;
+        Self::from_file(dispatcher, class, file, path, options)
+    }
+
+    /// Wraps a file already opened with `O_DIRECT` (checked with `fcntl`; anything else is
+    /// [`DiskError::NotDirect`]). `name` is used in errors. The file's type is not checked: a
+    /// pipe made with `pipe2(O_DIRECT)` works too (positions are ignored there).
+    pub fn from_file(
+        dispatcher: Arc<Dispatcher>,
+        class: ClassId,
+        file: File,
+        name: impl AsRef<Path>,
+        options: FileOptions,
+    ) -> Result<Self, DiskError> {
+        let path = name.as_ref().to_owned();
+        if options.max_piece == 0 || !options.max_piece.is_multiple_of(ALIGN) {
+            return Err(DiskError::Unaligned {
+                what: "max piece size",
+                value: options.max_piece as u64,
+                align: ALIGN as u64,
+            });
+        }
+        // SAFETY: F_GETFL on an fd owned by `file`; no pointers.
+        let flags = unsafe { libc::fcntl(std::os::fd::AsRawFd::as_raw_fd(&file), libc::F_GETFL) };
+        if flags < 0 {
+            return Err(DiskError::Io {
+                op: "fcntl",
+                path,
+                source: io::Error::last_os_error(),
+            });
+        }
+        if flags & libc::O_DIRECT == 0 {
+            return Err(DiskError::NotDirect { path });
+        }
         let backend = options.backend.resolve().map_err(|source| DiskError::Io {
             op: "set up io_uring for",
             path: path.clone(),
@@ -257,9 +290,11 @@ impl ThrottledFile {
                 offset: offset + start as u64,
             };
             let backend = self.backend;
-            let handle = self
-                .dispatcher
-                .submit(self.class, request(plen as u64), backend::run(backend, io))?;
+            let handle = self.dispatcher.submit(
+                self.class,
+                request(plen as u64),
+                backend::run(backend, io),
+            )?;
             handles.push(handle);
         }
         // Wait for every piece, even after a failure, so that no piece is still in flight
@@ -276,9 +311,8 @@ impl ThrottledFile {
                     }
                 }
                 Ok(Err(e)) => {
-                    first_err.get_or_insert_with(|| {
-                        self.io_error(op, offset + start as u64, plen, e)
-                    });
+                    first_err
+                        .get_or_insert_with(|| self.io_error(op, offset + start as u64, plen, e));
                 }
                 Err(e) => {
                     first_err.get_or_insert(DiskError::Dispatch(e));

@@ -37,6 +37,8 @@ pub(crate) fn fs_name(path: &Path) -> String {
         Some(0x794C_7630) => "overlayfs".into(),
         Some(0x6573_5546) => "fuse".into(),
         Some(0x6969) => "nfs".into(),
+        Some(0x9FA0) => "proc".into(),
+        Some(0x6265_6572) => "sysfs".into(),
         Some(m) => format!("file system type {m:#x}"),
         None => "unknown file system".into(),
     }

@@ -162,7 +162,11 @@ impl IoProperties {
 
     /// The disk whose mount points include `mountpoint`; a [`PropertiesError::OtherMountpoint`]
     /// naming both when there is none.
-    pub fn disk_for(&self, mountpoint: &str, path: &Path) -> Result<&DiskProperties, PropertiesError> {
+    pub fn disk_for(
+        &self,
+        mountpoint: &str,
+        path: &Path,
+    ) -> Result<&DiskProperties, PropertiesError> {
         let wanted = mountpoint.trim_end_matches('/');
         let wanted = if wanted.is_empty() { "/" } else { wanted };
         self.disks
@@ -181,7 +185,10 @@ impl IoProperties {
     }
 
     fn all_mountpoints(&self) -> Vec<String> {
-        self.disks.iter().flat_map(|d| d.mountpoints.iter().cloned()).collect()
+        self.disks
+            .iter()
+            .flat_map(|d| d.mountpoints.iter().cloned())
+            .collect()
     }
 }
 
@@ -331,7 +338,11 @@ fn parse(text: &str, path: &Path) -> Result<IoProperties, PropertiesError> {
     let mut lines = Vec::new();
     for (i, raw) in text.lines().enumerate() {
         if raw.contains('\t') && raw.trim_start().starts_with('\t') {
-            return Err(syntax(path, i + 1, "tabs are not allowed for indentation in YAML"));
+            return Err(syntax(
+                path,
+                i + 1,
+                "tabs are not allowed for indentation in YAML",
+            ));
         }
         let body = strip_comment(raw);
         if body.trim().is_empty() || body.trim() == "---" || body.trim() == "..." {
@@ -354,7 +365,11 @@ fn parse(text: &str, path: &Path) -> Result<IoProperties, PropertiesError> {
             return Err(syntax(path, l.no, "expected a top-level key"));
         }
         let Some((key, value)) = key_value(l.text) else {
-            return Err(syntax(path, l.no, format!("expected `key:`, got `{}`", l.text)));
+            return Err(syntax(
+                path,
+                l.no,
+                format!("expected `key:`, got `{}`", l.text),
+            ));
         };
         i += 1;
         let block_end = lines[i..]
@@ -382,10 +397,16 @@ fn parse(text: &str, path: &Path) -> Result<IoProperties, PropertiesError> {
         i = block_end;
     }
     if !saw_disks {
-        return Err(syntax(path, lines.first().map_or(1, |l| l.no), "no `disks:` section"));
+        return Err(syntax(
+            path,
+            lines.first().map_or(1, |l| l.no),
+            "no `disks:` section",
+        ));
     }
     if drafts.is_empty() {
-        return Err(PropertiesError::NoDisk { path: path.to_owned() });
+        return Err(PropertiesError::NoDisk {
+            path: path.to_owned(),
+        });
     }
     let mut disks = Vec::with_capacity(drafts.len());
     for (index, d) in drafts.into_iter().enumerate() {
@@ -432,7 +453,11 @@ fn parse(text: &str, path: &Path) -> Result<IoProperties, PropertiesError> {
     Ok(IoProperties { disks })
 }
 
-fn parse_disks(lines: &[Line<'_>], path: &Path, out: &mut Vec<Draft>) -> Result<(), PropertiesError> {
+fn parse_disks(
+    lines: &[Line<'_>],
+    path: &Path,
+    out: &mut Vec<Draft>,
+) -> Result<(), PropertiesError> {
     let mut i = 0;
     // The column of the current entry's keys, once known.
     let mut key_col = None;
@@ -452,14 +477,22 @@ fn parse_disks(lines: &[Line<'_>], path: &Path, out: &mut Vec<Draft>) -> Result<
             match key_col {
                 Some(c) if l.indent == c => (c, l.text),
                 Some(_) => {
-                    return Err(syntax(path, l.no, "unexpected indentation inside a disk entry"))
+                    return Err(syntax(
+                        path,
+                        l.no,
+                        "unexpected indentation inside a disk entry",
+                    ))
                 }
                 None => return Err(syntax(path, l.no, "expected `- ` starting a disk entry")),
             }
         };
         let draft = out.last_mut().expect("an entry was started above");
         let Some((key, value)) = key_value(text) else {
-            return Err(syntax(path, l.no, format!("expected `key: value`, got `{text}`")));
+            return Err(syntax(
+                path,
+                l.no,
+                format!("expected `key: value`, got `{text}`"),
+            ));
         };
         i += 1;
         // The nested lines of this key (deeper than the key column).
@@ -508,7 +541,11 @@ fn parse_disks(lines: &[Line<'_>], path: &Path, out: &mut Vec<Draft>) -> Result<
             _ => continue,
         };
         if slot.is_some() {
-            return Err(syntax(path, l.no, format!("`{key}` appears twice in one entry")));
+            return Err(syntax(
+                path,
+                l.no,
+                format!("`{key}` appears twice in one entry"),
+            ));
         }
         *slot = Some(num(value)?);
     }
@@ -561,12 +598,19 @@ mod tests {
         let base = "disks:\n  - mountpoint: /a\n    read_iops: 1\n    read_bandwidth: 2\n    write_iops: 3\n";
         assert!(matches!(
             IoProperties::parse(base),
-            Err(PropertiesError::MissingKey { key: "write_bandwidth", index: 0, .. })
+            Err(PropertiesError::MissingKey {
+                key: "write_bandwidth",
+                index: 0,
+                ..
+            })
         ));
         let zero = format!("{base}    write_bandwidth: 0\n");
         assert!(matches!(
             IoProperties::parse(&zero),
-            Err(PropertiesError::ZeroFigure { key: "write_bandwidth", .. })
+            Err(PropertiesError::ZeroFigure {
+                key: "write_bandwidth",
+                ..
+            })
         ));
         let bad = format!("{base}    write_bandwidth: fast\n");
         assert!(matches!(
@@ -581,6 +625,9 @@ mod tests {
             IoProperties::parse("disks:\n"),
             Err(PropertiesError::NoDisk { .. })
         ));
-        assert!(matches!(IoProperties::parse(""), Err(PropertiesError::Syntax { .. })));
+        assert!(matches!(
+            IoProperties::parse(""),
+            Err(PropertiesError::Syntax { .. })
+        ));
     }
 }
