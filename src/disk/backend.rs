@@ -233,8 +233,16 @@ fn reap(driver: Arc<Driver>) {
         let mut done = Vec::new();
         let exit = {
             let mut g = driver.lock();
-            // Flushes entries left unsubmitted by a failed submit, and any overflowed CQEs.
-            let _ = g.ring.submit();
+            // Entries left queued by a failed submit, or completions the kernel holds back
+            // after an overflow: one more enter hands them over (skipped otherwise: it is a
+            // syscall per wake).
+            let stalled = {
+                let sq = g.ring.submission();
+                !sq.is_empty() || sq.cq_overflow()
+            };
+            if stalled {
+                let _ = g.ring.submit();
+            }
             let Ring { ring, pending, .. } = &mut *g;
             for cqe in ring.completion() {
                 if let Some(p) = pending.remove(&cqe.user_data()) {
