@@ -46,6 +46,9 @@ impl Default for CalibrateOptions {
     }
 }
 
+/// The ladder always goes at least this deep (virtio and NVMe disks saturate at 16–64).
+const MIN_LADDER_DEPTH: u32 = 32;
+
 /// One step of a queue-depth ladder.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DepthStep {
@@ -76,7 +79,7 @@ pub struct Calibration {
 
 /// Measures the disk under `dir` and returns its io-properties: random reads and writes of
 /// [`random_size`](CalibrateOptions::random_size) at increasing queue depths until the IOPS
-/// stop growing (two depths in a row add less than 5%), then sequential reads and writes of
+/// stop growing (two depths in a row add less than 5%, going at least to depth 32), then sequential reads and writes of
 /// [`sequential_size`](CalibrateOptions::sequential_size). All I/O is O_DIRECT on a scratch file
 /// of [`file_size`](CalibrateOptions::file_size) that is reserved (`fallocate`), written once,
 /// measured with time-based runs, and removed. One thread keeps the queue depth with io_uring.
@@ -314,8 +317,9 @@ impl Bench<'_> {
         (r % slots) * size as u64
     }
 
-    /// Random requests at depths 1, 2, 4, … until two depths in a row add less than 5% to the
-    /// best; then the best depth is measured again for the rest of `budget`.
+    /// Random requests at depths 1, 2, 4, … (at least to [`MIN_LADDER_DEPTH`]) until two depths
+    /// in a row add less than 5% to the best; then the best depth is measured again for the
+    /// rest of `budget`.
     fn ladder(
         &mut self,
         op: Op,
@@ -349,7 +353,9 @@ impl Bench<'_> {
             if s.iops > best.iops {
                 best = s;
             }
-            if misses == 2 {
+            // Shallow queues never end the ladder: on a shared machine a noisy step at depth 2
+            // or 4 would otherwise stop it far below saturation.
+            if misses >= 2 && depth >= MIN_LADDER_DEPTH {
                 break;
             }
             depth *= 2;

@@ -185,6 +185,9 @@ impl ThrottledFile {
     /// a full disk or a file-size limit is [`DiskError::NoSpace`] with nothing written. A piece
     /// the kernel completes only in part is [`DiskError::ShortWrite`]. On error the buffer is
     /// dropped.
+    ///
+    /// One case can still leave a write half-done: the dispatcher shutting down between the
+    /// submissions of two pieces (the pieces already dispatched run; the rest are refused).
     pub async fn write_at(&self, buf: AlignedBuf, offset: u64) -> Result<AlignedBuf, DiskError> {
         let len = buf.len();
         let (buf, done) = self.transfer(IoKind::Write, buf, offset).await?;
