@@ -1,6 +1,8 @@
 //! Real I/O: 4 KiB O_DIRECT random reads through `ThrottledFile` (io_uring backend, an
 //! unthrottled dispatcher) against the same reads issued directly on an io_uring from the
 //! benchmark thread, at queue depth 1 and 32. The ratio is the dispatch overhead per request.
+//! `throttled_file_on_shard` issues the depth-1 reads from a task running on the shard, as a
+//! thread-per-core engine does (no hop from the caller's thread to the shard and back).
 //!
 //! ```text
 //! cargo bench --bench benches -- disk
@@ -16,7 +18,7 @@ use std::time::{Duration, Instant};
 use criterion::{BenchmarkId, Criterion};
 use io_uring::{opcode, types, IoUring};
 use iothrottle::disk::{AlignedBuf, Backend, FileOptions, ThrottledFile, ALIGN};
-use iothrottle::dispatcher::{ClassConfig, DiskModel, Dispatcher};
+use iothrottle::dispatcher::{ClassConfig, ClassId, DiskModel, Dispatcher, IoRequest};
 use iothrottle::Rate;
 
 const FILE: u64 = 64 << 20;
@@ -109,6 +111,33 @@ fn throttled(
     start.elapsed()
 }
 
+/// `iters` reads at depth 1 issued from a task running *on* the shard (thread-per-core use: the
+/// engine's code runs on the shards), so no request crosses threads except the completion.
+fn on_shard(
+    rt: &tokio::runtime::Runtime,
+    d: &Dispatcher,
+    class: ClassId,
+    file: &Arc<ThrottledFile>,
+    iters: u64,
+    rng: &mut Rng,
+) -> Duration {
+    let offsets: Vec<u64> = (0..iters).map(|_| rng.offset()).collect();
+    let f = file.clone();
+    let job = d
+        .submit(class, IoRequest::tokens(1), async move {
+            let mut buf = AlignedBuf::zeroed(ALIGN).unwrap();
+            let start = Instant::now();
+            for off in offsets {
+                let (b, n) = f.read_at(buf, off).await.unwrap();
+                assert_eq!(n, ALIGN);
+                buf = b;
+            }
+            start.elapsed()
+        })
+        .unwrap();
+    rt.block_on(job).unwrap()
+}
+
 pub fn disk(c: &mut Criterion) {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let path = dir.path().join("bench.dat");
@@ -140,7 +169,7 @@ pub fn disk(c: &mut Criterion) {
         backend: Backend::IoUring,
         ..FileOptions::default()
     };
-    let file = Arc::new(ThrottledFile::open(dispatcher, class, &path, opts).unwrap());
+    let file = Arc::new(ThrottledFile::open(dispatcher.clone(), class, &path, opts).unwrap());
     let raw = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_DIRECT)
@@ -173,6 +202,11 @@ pub fn disk(c: &mut Criterion) {
         g.bench_function(BenchmarkId::new("throttled_file", depth), |bch| {
             bch.iter_custom(|iters| throttled(&rt, &file, depth, iters, &mut rng))
         });
+        if depth == 1 {
+            g.bench_function(BenchmarkId::new("throttled_file_on_shard", depth), |bch| {
+                bch.iter_custom(|iters| on_shard(&rt, &dispatcher, class, &file, iters, &mut rng))
+            });
+        }
     }
     g.finish();
 }
