@@ -275,8 +275,8 @@ impl<M: Mode> Rovers<M> {
             extra
         };
         // Release on success: a replenisher that reads `now` from here also sees the regime
-        // we priced with (the chain the Acquire above relies on). Relaxed on failure: another
-        // thread moved `last` and covers the time; we leave.
+        // we priced with (through the Acquire fence of its own regime read). Relaxed on
+        // failure: another thread moved `last` and covers the time; we leave.
         self.repl
             .last
             .compare_exchange(last, now, Ordering::Release, Ordering::Relaxed)
