@@ -47,26 +47,39 @@
     rust_2018_idioms
 )]
 
+#[cfg(not(iothrottle_loom))]
+pub mod adapter;
 pub mod bucket;
+#[cfg(feature = "rt")]
+#[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
 pub mod checkpoint;
 pub mod clock;
-#[cfg(not(iothrottle_loom))]
+#[cfg(all(feature = "rt", not(iothrottle_loom)))]
+#[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
 pub mod dispatcher;
 pub mod error;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub mod pg;
 mod sync;
+#[cfg(feature = "rt")]
+#[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
 pub mod throttle;
 
 pub use bucket::{BucketConfig, BucketState, Capped, Mode, Rate, SharedTokenBucket, Uncapped};
-pub use clock::{Clock, ManualClock, MonotonicClock, TokioClock};
-#[cfg(not(iothrottle_loom))]
+#[cfg(feature = "rt")]
+#[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
+pub use clock::TokioClock;
+pub use clock::{Clock, ManualClock, MonotonicClock};
+#[cfg(all(feature = "rt", not(iothrottle_loom)))]
+#[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
 pub use dispatcher::{ClassConfig, ClassId, DiskModel, Dispatcher, IoRequest};
 pub use error::{
     AcquireError, BuildError, CheckpointError, ClockError, ConfigError, DispatchError, SubmitError,
     TryAcquireError,
 };
+#[cfg(feature = "rt")]
+#[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
 pub use throttle::{Permit, Throttle};
 
 /// The README's examples, compiled and run as doctests.
