@@ -58,6 +58,11 @@ pub mod clock;
 #[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
 pub mod dispatcher;
 pub mod error;
+#[cfg(not(iothrottle_loom))]
+pub mod keyed;
+#[cfg(feature = "metrics")]
+#[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
+pub mod metrics;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub mod pg;

@@ -5,11 +5,13 @@
 mod bucket;
 mod checkpoint;
 mod dispatcher;
+mod keyed;
 mod throttle;
 
 criterion::criterion_main!(
     bucket::benches,
     checkpoint::benches,
     dispatcher::benches,
+    keyed::benches,
     throttle::benches
 );

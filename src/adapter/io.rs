@@ -7,6 +7,7 @@ use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 
 use tokio::io::{AsyncRead, AsyncSeek, AsyncWrite, ReadBuf};
+use tracing::Instrument;
 
 use crate::bucket::{Mode, Uncapped};
 use crate::clock::{Clock, MonotonicClock};
@@ -56,8 +57,12 @@ impl<M: Mode, C: Clock + 'static> Gate<M, C> {
                 }
                 Err(TryAcquireError::Closed) => return Poll::Ready(Err(closed())),
                 Err(_) => {
+                    // The slow path only: a span around the wait (the fast path has none).
                     let throttle = self.throttle.clone();
-                    self.wait = Some(Box::pin(async move { throttle.acquire(want).await }));
+                    let span = tracing::debug_span!("iothrottle.adapter.wait", tokens = want);
+                    self.wait = Some(Box::pin(
+                        async move { throttle.acquire(want).await }.instrument(span),
+                    ));
                 }
             }
         }
