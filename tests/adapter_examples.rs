@@ -25,7 +25,10 @@ fn example(name: &str) -> PathBuf {
 }
 
 fn usage_error(name: &str, args: &[&str], flag: &str) {
-    let out = Command::new(example(name)).args(args).output().expect("example runs");
+    let out = Command::new(example(name))
+        .args(args)
+        .output()
+        .expect("example runs");
     let stderr = String::from_utf8_lossy(&out.stderr);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
@@ -46,7 +49,11 @@ fn throttle_accuracy_seconds_zero_is_a_usage_error_not_nan() {
 
 #[test]
 fn throttle_accuracy_only_that_matches_nothing_is_a_usage_error() {
-    usage_error("throttle_accuracy", &["--only", "no-such-limiter"], "--only");
+    usage_error(
+        "throttle_accuracy",
+        &["--only", "no-such-limiter"],
+        "--only",
+    );
 }
 
 #[test]
