@@ -5,6 +5,9 @@
 //!   through) so that each byte costs one token of a [`Throttle`](crate::Throttle):
 //!   `ThrottledIo::new(file, throttle.clone())`, or `file.throttled(&throttle)` with
 //!   [`ThrottleExt`]. (Feature `rt`.)
+//! - [`ClassIo`] does the same through a [`Dispatcher`](crate::Dispatcher) class: each
+//!   operation is a ticket dispatched in the class's turn, so classes share the disk by their
+//!   shares. (Feature `rt`.)
 //! - [`BlockingThrottled`] does the same for `std::io::Read` / `Write` on plain threads, over a
 //!   [`BlockingThrottle`] that sleeps the thread (no runtime needed).
 //! - [`Throttle::request`](crate::Throttle::request) and [`BlockingThrottle::request`] take any
@@ -18,11 +21,16 @@
 
 mod blocking;
 #[cfg(feature = "rt")]
+mod class;
+#[cfg(feature = "rt")]
 mod io;
 #[cfg(feature = "rt")]
 mod request;
 
 pub use blocking::{BlockingThrottle, BlockingThrottled};
+#[cfg(feature = "rt")]
+#[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
+pub use class::ClassIo;
 #[cfg(feature = "rt")]
 #[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
 pub use io::{ThrottleExt, ThrottledIo};
