@@ -14,7 +14,7 @@
 //! | `iothrottle_class_cancelled_total` | counter | requests dropped before dispatch (tokens went back) |
 //! | `iothrottle_class_queue_length` | gauge | requests submitted and not yet dispatched, cancelled or failed |
 //! | `iothrottle_class_queue_wait_seconds` | histogram | submission to dispatch |
-//! | `iothrottle_class_service_time_seconds` | histogram | dispatch to completion of the request's future |
+//! | `iothrottle_class_service_time_seconds` | histogram | dispatch to completion of the request's future (registered name; not recorded yet: the dispatcher does not time completions) |
 //!
 //! # Per throttle (label `throttle` = a name of your choice)
 //!
@@ -136,8 +136,8 @@ pub(crate) fn class_unqueued(class: &str, cancelled: bool) {
     });
 }
 
-/// A dispatched request of `class` finished `service` after its dispatch. (Wired where the
-/// dispatcher measures completions.)
+/// A dispatched request of `class` finished `service` after its dispatch. To be called where
+/// the dispatcher times completions (not wired yet).
 #[allow(dead_code)]
 pub(crate) fn class_completed(class: &str, service: Duration) {
     with_class(class, |h| h.service.record(service.as_secs_f64()));
