@@ -31,8 +31,8 @@
 //!
 //! With the feature off nothing here is compiled and the dispatcher's hooks are
 //! `#[cfg(feature = "metrics")]` statements: the hot paths are the same machine code. With the
-//! feature on, a dispatched request costs one thread-local map lookup by class name and four
-//! counter increments and a histogram record on cached handles (the benchmark
+//! feature on, a dispatched request costs one thread-local map lookup by class name, three
+//! counter increments, a gauge decrement and a histogram record on cached handles (the benchmark
 //! `dispatcher/overhead` is reported with and without the feature in the README).
 
 use std::cell::RefCell;
