@@ -106,7 +106,6 @@
     rust_2018_idioms
 )]
 
-#[cfg(not(iothrottle_loom))]
 pub mod adapter;
 pub mod bucket;
 #[cfg(feature = "rt")]

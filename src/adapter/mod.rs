@@ -20,7 +20,7 @@
 #![doc = include_str!("../../docs/adapters.md")]
 
 mod blocking;
-#[cfg(feature = "rt")]
+#[cfg(all(feature = "rt", not(iothrottle_loom)))]
 mod class;
 #[cfg(feature = "rt")]
 mod io;
@@ -28,7 +28,7 @@ mod io;
 mod request;
 
 pub use blocking::{BlockingThrottle, BlockingThrottled};
-#[cfg(feature = "rt")]
+#[cfg(all(feature = "rt", not(iothrottle_loom)))]
 #[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
 pub use class::ClassIo;
 #[cfg(feature = "rt")]
