@@ -11,6 +11,7 @@
 mod imp {
     pub(crate) use loom::sync::atomic::{fence, AtomicU64, Ordering};
     pub(crate) use loom::sync::Arc;
+    #[cfg(feature = "rt")]
     pub(crate) use loom::sync::{Mutex, MutexGuard};
 
     /// Backs off inside a retry loop; under loom this lets the other threads run.
@@ -23,6 +24,8 @@ mod imp {
 mod imp {
     pub(crate) use std::sync::atomic::{fence, AtomicU64, Ordering};
     pub(crate) use std::sync::Arc;
+    // Used by the throttle's and the checkpoint's protocol cores (feature `rt`).
+    #[cfg(feature = "rt")]
     pub(crate) use std::sync::{Mutex, MutexGuard};
 
     /// Backs off inside a retry loop.

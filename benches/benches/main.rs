@@ -6,6 +6,7 @@ mod bucket;
 mod checkpoint;
 mod disk;
 mod dispatcher;
+mod keyed;
 mod throttle;
 
 criterion::criterion_main!(
@@ -13,5 +14,6 @@ criterion::criterion_main!(
     disk::benches,
     checkpoint::benches,
     dispatcher::benches,
+    keyed::benches,
     throttle::benches
 );
