@@ -406,16 +406,19 @@ async fn run_hot_keys(url: &str, args: &Args, run: &str) {
     );
     l.install().await.expect("install");
     let n = args.keys;
+    // One task per key (at least `--workers`): a call that finds its key dry waits for the
+    // lease, and must not hold up the other keys' calls.
+    let tasks_n = args.workers.max(n);
     let mut per_worker: Vec<Vec<(usize, iothrottle::pg::LeasedKey)>> =
-        (0..args.workers).map(|_| Vec::new()).collect();
+        (0..tasks_n).map(|_| Vec::new()).collect();
     for k in 0..n {
         let key = l.key(&format!("{run}-hot-{k}")).await.expect("key");
-        per_worker[k % args.workers].push((k, key));
+        per_worker[k % tasks_n].push((k, key));
     }
     let start = Instant::now();
     let end = start + Duration::from_secs_f64(args.seconds);
     let mut tasks = Vec::new();
-    for mut keys in per_worker {
+    for mut keys in per_worker.into_iter().filter(|k| !k.is_empty()) {
         tasks.push(tokio::spawn(async move {
             let mut granted = Vec::new();
             let mut calls = 0u64;
@@ -525,22 +528,34 @@ async fn run_spawned(url: &str, args: &Args, run: &str, mode: Mode) {
         })
         .collect();
     let mut total = 0u64;
+    let (mut first, mut last) = (i64::MAX, i64::MIN);
     for ch in children {
         let out = ch.wait_with_output().expect("child");
         let text = String::from_utf8_lossy(&out.stdout);
-        total += text
+        let line = text
             .lines()
-            .find_map(|l| l.strip_prefix("GRANTED="))
-            .unwrap_or_else(|| panic!("child output: {text}"))
-            .trim()
-            .parse::<u64>()
-            .expect("count");
+            .find(|l| l.starts_with("GRANTED="))
+            .unwrap_or_else(|| panic!("child output: {text}"));
+        let field = |name: &str| -> i64 {
+            line.split(' ')
+                .find_map(|f| f.strip_prefix(name))
+                .expect("field")
+                .parse()
+                .expect("number")
+        };
+        total += field("GRANTED=") as u64;
+        first = first.min(field("START="));
+        last = last.max(field("END="));
     }
     let end: SystemTime = c.query_one(clock, &[]).await.expect("clock").get(0);
-    let w = end
+    let whole = end
         .duration_since(start)
         .expect("clock forward")
         .as_secs_f64();
+    // The window: from the first child's first call to the last child's last (every grant
+    // is inside it); the whole run also includes the processes' start-up.
+    let w = (last - first) as f64 / 1e6;
+    assert!(w <= whole + 0.001, "window inside the run");
     let (rate, burst, slack) = match mode {
         Mode::Strict => (
             args.refill as f64,
@@ -568,16 +583,44 @@ async fn run_spawned(url: &str, args: &Args, run: &str, mode: Mode) {
     );
 }
 
-/// A `--spawn` child: drive `key` for `--seconds` and print `GRANTED=n`.
+/// Microseconds since the Unix epoch on the server's clock.
+async fn server_micros(c: &tokio_postgres::Client) -> i64 {
+    c.query_one(
+        "SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint",
+        &[],
+    )
+    .await
+    .expect("clock")
+    .get(0)
+}
+
+/// A `--spawn` child: drive `key` for `--seconds`; print `GRANTED=n START=µs END=µs` (the
+/// server's clock just before the first call and just after the last).
 async fn run_child(url: &str, args: &Args, key: &str) {
-    let end = Instant::now() + Duration::from_secs_f64(args.seconds);
-    let mut total = 0u64;
-    if args.mode == Mode::Strict {
-        let l = Arc::new(
+    let clock = connect(url, args).await;
+    // Connect the limiter before reading the start time: only calls are in the window.
+    let strict = if args.mode == Mode::Strict {
+        Some(Arc::new(
             PgKeyedLimiter::connect(url, options(args))
                 .await
                 .expect("connect"),
-        );
+        ))
+    } else {
+        None
+    };
+    let leased = if args.mode == Mode::Strict {
+        None
+    } else {
+        Some(
+            PgLeasedLimiter::connect(url, options(args), lease_options(args))
+                .await
+                .expect("connect"),
+        )
+    };
+    let started = server_micros(&clock).await;
+    let end = Instant::now() + Duration::from_secs_f64(args.seconds);
+    let mut total = 0u64;
+    if let Some(l) = strict {
         let mut tasks = Vec::new();
         for _ in 0..args.workers {
             let (l, key) = (l.clone(), key.to_owned());
@@ -595,10 +638,7 @@ async fn run_child(url: &str, args: &Args, key: &str) {
         for t in tasks {
             total += t.await.expect("worker");
         }
-    } else {
-        let l = PgLeasedLimiter::connect(url, options(args), lease_options(args))
-            .await
-            .expect("connect");
+    } else if let Some(l) = leased {
         let mut tasks = Vec::new();
         for _ in 0..args.workers {
             let mut k = l.key(key).await.expect("key");
@@ -618,7 +658,8 @@ async fn run_child(url: &str, args: &Args, key: &str) {
         }
         let _ = l.shutdown().await;
     }
-    println!("GRANTED={total}");
+    let ended = server_micros(&clock).await;
+    println!("GRANTED={total} START={started} END={ended}");
 }
 
 /// `--memory-keys N`: bytes of leased state per key held.

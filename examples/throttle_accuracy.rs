@@ -7,22 +7,26 @@
 //! ```text
 //! cargo run --release --example throttle_accuracy -- --seconds 10
 //! ```
+//!
+//! Every flag is checked before anything runs: `--rate 0`, `--seconds 0` or an `--only` that
+//! names no limiter is a usage error, not a panic or a `NaN%`.
 
 use std::num::NonZeroU32;
 use std::time::{Duration, Instant};
 
-use clap::Parser;
+use clap::{CommandFactory, Parser};
 use iothrottle::throttle::Throttle;
 use iothrottle::{BucketConfig, Capped, Rate, Uncapped};
 
 /// Fraction of the ideal grants each limiter achieves.
 #[derive(Parser, Debug)]
 struct Args {
-    /// Tokens per second.
-    #[arg(long, default_value_t = 1_000)]
+    /// Tokens per second, 1 to 1,000,000 (one cost-1 grant per token: beyond a million per
+    /// second the loop, not the limiter, is measured).
+    #[arg(long, default_value_t = 1_000, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     rate: u32,
-    /// How long each limiter runs, in seconds.
-    #[arg(long, default_value_t = 10)]
+    /// How long each limiter runs, in seconds (1 to 3,600).
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=3_600))]
     seconds: u64,
     /// Run only the limiters whose name contains this.
     #[arg(long)]
@@ -43,9 +47,30 @@ where
     grants
 }
 
+/// The limiters, by the names `--only` matches.
+const LIMITERS: [&str; 4] = [
+    "iothrottle",
+    "iothrottle capped",
+    "leaky-bucket",
+    "governor",
+];
+
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
     let args = Args::parse();
+    if let Some(only) = &args.only {
+        if !LIMITERS.iter().any(|name| name.contains(only.as_str())) {
+            Args::command()
+                .error(
+                    clap::error::ErrorKind::InvalidValue,
+                    format!(
+                        "--only {only:?} matches no limiter; the limiters are: {}",
+                        LIMITERS.join(", ")
+                    ),
+                )
+                .exit();
+        }
+    }
     let window = Duration::from_secs(args.seconds);
     let ideal = u64::from(args.rate) * args.seconds;
     let rate = Rate::per_second(u64::from(args.rate));

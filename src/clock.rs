@@ -144,14 +144,18 @@ impl Clock for ManualClock {
 }
 
 /// tokio's clock: [`tokio::time::Instant`], measured from the moment the clock was made.
+/// (Feature `rt`.)
 ///
 /// Under `#[tokio::test(start_paused = true)]` (or `tokio::time::pause`) this clock follows
 /// tokio's virtual time, so async tests of rates run instantly and exactly.
+#[cfg(feature = "rt")]
+#[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
 #[derive(Debug, Clone, Copy)]
 pub struct TokioClock {
     origin: tokio::time::Instant,
 }
 
+#[cfg(feature = "rt")]
 impl TokioClock {
     /// A clock whose origin is tokio's `now`.
     pub fn new() -> Self {
@@ -161,12 +165,14 @@ impl TokioClock {
     }
 }
 
+#[cfg(feature = "rt")]
 impl Default for TokioClock {
     fn default() -> Self {
         Self::new()
     }
 }
 
+#[cfg(feature = "rt")]
 impl Clock for TokioClock {
     fn now(&self) -> Duration {
         self.origin.elapsed()

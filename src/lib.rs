@@ -1,8 +1,57 @@
 //! # iothrottle
 //!
-//! Disk I/O throttling for storage engines, following Seastar's design: a **shared lock-free
-//! token bucket** that every core claims from, with exact integer arithmetic and an optional
-//! *capped release* mode that ties the rate to what the disk really completes.
+//! Keep background I/O (compaction, flushes, backups, rebuilds) from starving the foreground
+//! reads of a storage engine: give the background a byte rate, or let classes share the disk by
+//! weights, and wrap the files it writes so every byte waits its turn.
+//!
+//! ## Throttle my compaction against my reads
+//!
+//! One line at the call site: the compaction's output file takes its bytes from a
+//! [`Throttle`] (64 MiB/s here, bursts of 4 MiB); the reads do not touch it.
+//!
+//! ```
+//! use tokio::io::AsyncWriteExt;
+//! use iothrottle::adapter::ThrottleExt;
+//! use iothrottle::{BucketConfig, Rate, Throttle, TokioClock, Uncapped};
+//!
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let compaction: Throttle<Uncapped, TokioClock> = Throttle::with_clock(
+//!     BucketConfig::new(Rate::per_second(64 << 20), 4 << 20),
+//!     TokioClock::new(),
+//! )?;
+//! // In an engine: tokio::fs::File::create(path).await?.throttled(&compaction)
+//! let mut sst = tokio::io::sink().throttled(&compaction);
+//! let start = tokio::time::Instant::now();
+//! sst.write_all(&vec![0u8; 68 << 20]).await?; // one 4 MiB burst, then 64 MiB at 64 MiB/s
+//! let took = start.elapsed().as_secs_f64();
+//! assert!((1.0..1.01).contains(&took), "{took}"); // tokio's timers tick in whole ms
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! When the reads should rather *share* the disk with the compaction (the compaction gets what
+//! the reads leave, by weight), submit both through a [`Dispatcher`] with two classes; see
+//! [`dispatcher`].
+//!
+//! ## Which one do I need?
+//!
+//! | you want | use |
+//! |---|---|
+//! | one rate (bytes/s, IOPS) for a set of tasks, async, any tokio runtime | [`Throttle`]: `acquire(cost).await`, or the [`adapter`]s around files and sockets |
+//! | the same on plain threads | [`adapter::BlockingThrottle`] and its `std::io` wrapper |
+//! | RocksDB's `RateLimiter::Request(bytes)`: any size, never an error | [`Throttle::request`] |
+//! | classes (foreground, compaction, flush) sharing one disk by shares, thread-per-core, Seastar's io_queue | [`Dispatcher`] |
+//! | a limit per tenant, table or client, in memory | [`keyed::KeyedThrottle`] |
+//! | a limit per key shared by many processes | the `pg` module (feature `postgres`): PostgreSQL-backed |
+//! | no free burst after a restart | [`checkpoint`] |
+//! | your own runtime or event loop, no tokio | [`SharedTokenBucket`] alone: `default-features = false` |
+//!
+//! ## The core: a shared lock-free bucket
+//!
+//! Everything above stands on Seastar's design: a **shared lock-free token bucket** that every
+//! core claims from, with exact integer arithmetic and an optional *capped release* mode that
+//! ties the rate to what the disk really completes.
 //!
 //! ```
 //! use std::time::Duration;
@@ -25,14 +74,24 @@
 //!
 //! - [`bucket`]: the lock-free core, [`SharedTokenBucket`].
 //! - [`clock`]: where time comes from ([`MonotonicClock`], [`ManualClock`] for tests).
-//! - [`checkpoint`]: durable checkpoints (a file, or PostgreSQL): no free burst after a crash.
 //! - [`throttle`]: [`Throttle`], the async front of the bucket for any tokio runtime.
+//! - [`adapter`]: throttled `AsyncRead`/`AsyncWrite`/`AsyncSeek` and `std::io` wrappers,
+//!   RocksDB-style `request`.
 //! - [`dispatcher`]: the thread-per-core I/O dispatcher, [`Dispatcher`].
+//! - [`keyed`]: per-key limits in memory, [`keyed::KeyedThrottle`].
+//! - [`checkpoint`]: durable checkpoints (a file, or PostgreSQL): no free burst after a crash.
+//! - `pg` (feature `postgres`): per-key limits on PostgreSQL, strict, leased or sliding-window.
+//! - `metrics` (feature `metrics`): counters and histograms through the `metrics` facade.
 //! - [`error`]: typed errors.
 //!
 //! ## Feature flags
 //!
-//! - `postgres` (off by default): PostgreSQL backends through `tokio-postgres`.
+//! - `rt` (on by default): the tokio layers ([`throttle`], the async [`adapter`]s,
+//!   [`dispatcher`], [`checkpoint`], [`TokioClock`]). Without it the crate is the bucket, the
+//!   blocking adapters and the keyed throttle, and compiles no tokio.
+//! - `postgres` (off by default): PostgreSQL backends through `tokio-postgres` (implies `rt`).
+//! - `metrics` (off by default): per-class and per-throttle metrics through the `metrics`
+//!   facade; nothing of it is compiled when off.
 //!
 //! ## Model checking
 //!
@@ -47,30 +106,50 @@
     rust_2018_idioms
 )]
 
+pub mod adapter;
 pub mod bucket;
+#[cfg(feature = "rt")]
+#[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
 pub mod checkpoint;
 pub mod clock;
-#[cfg(not(iothrottle_loom))]
+#[cfg(all(feature = "rt", not(iothrottle_loom)))]
+#[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
+pub mod disk;
+#[cfg(all(feature = "rt", not(iothrottle_loom)))]
+#[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
 pub mod dispatcher;
 #[cfg(iothrottle_loom)]
 #[path = "dispatcher/loom.rs"]
 pub mod dispatcher;
 pub mod error;
+#[cfg(not(iothrottle_loom))]
+pub mod keyed;
+#[cfg(feature = "metrics")]
+#[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
+pub mod metrics;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub mod pg;
 mod sync;
+#[cfg(feature = "rt")]
+#[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
 pub mod throttle;
 
 pub use bucket::{BucketConfig, BucketState, Capped, Mode, Rate, SharedTokenBucket, Uncapped};
-pub use clock::{Clock, ManualClock, MonotonicClock, TokioClock};
-#[cfg(not(iothrottle_loom))]
+#[cfg(feature = "rt")]
+#[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
+pub use clock::TokioClock;
+pub use clock::{Clock, ManualClock, MonotonicClock};
+#[cfg(all(feature = "rt", not(iothrottle_loom)))]
+#[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
 pub use dispatcher::{ClassConfig, ClassId, DiskModel, Dispatcher, IoRequest};
 pub use error::ParseRateError;
 pub use error::{
     AcquireError, BuildError, CheckpointError, ClockError, ConfigError, DispatchError, SubmitError,
     TryAcquireError,
 };
+#[cfg(feature = "rt")]
+#[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
 pub use throttle::{Permit, Throttle};
 
 /// The README's examples, compiled and run as doctests.

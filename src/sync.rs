@@ -11,7 +11,10 @@
 mod imp {
     pub(crate) use loom::sync::atomic::{fence, AtomicU64, Ordering};
     pub(crate) use loom::sync::Arc;
+    #[cfg(feature = "rt")]
     pub(crate) use loom::sync::{Mutex, MutexGuard};
+    // The dispatcher's fine timer (feature `rt`).
+    #[cfg(feature = "rt")]
     pub(crate) use loom::thread;
 
     /// Backs off inside a retry loop; under loom this lets the other threads run.
@@ -24,7 +27,11 @@ mod imp {
 mod imp {
     pub(crate) use std::sync::atomic::{fence, AtomicU64, Ordering};
     pub(crate) use std::sync::Arc;
+    // Used by the throttle's and the checkpoint's protocol cores (feature `rt`).
+    #[cfg(feature = "rt")]
     pub(crate) use std::sync::{Mutex, MutexGuard};
+    // The dispatcher's fine timer (feature `rt`).
+    #[cfg(feature = "rt")]
     pub(crate) use std::thread;
 
     /// Backs off inside a retry loop.

@@ -575,6 +575,12 @@ impl<M: Mode, C: Clock + 'static> Permit<M, C> {
         }
     }
 
+    /// The tokens, now the caller's to complete or refund (`adapter`); the drop does nothing.
+    pub(crate) fn into_tokens(mut self) -> u64 {
+        self.bucket = None;
+        self.tokens
+    }
+
     /// How many tokens this permit holds.
     pub fn tokens(&self) -> u64 {
         self.tokens

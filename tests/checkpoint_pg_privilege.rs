@@ -196,3 +196,48 @@ async fn load_after_restart(store: &PgCheckpoint) -> Option<Snapshot> {
         }
     }
 }
+
+/// Issue 11, defect 3 for the checkpoint: its Postgres errors carry the server's SQLSTATE.
+#[tokio::test]
+async fn checkpoint_errors_show_sqlstate_and_server_message() {
+    let Some(pg) = cluster_or_skip("checkpoint_errors_show_sqlstate_and_server_message") else {
+        return;
+    };
+    let store = PgCheckpoint::new(&pg.connection_string(), "disk").unwrap();
+    store.install().await.unwrap();
+    store.save(snapshot_after(1)).await.unwrap();
+    let admin = admin(&pg).await;
+    admin
+        .execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+             WHERE pid <> pg_backend_pid() AND backend_type = 'client backend'",
+            &[],
+        )
+        .await
+        .unwrap();
+    // The store's session was terminated: the next call reports why (or, if the driver saw
+    // the session close first, reconnects and succeeds).
+    match store.load().await {
+        Err(CheckpointError::Postgres { message, .. }) => {
+            assert!(message.contains("57P01"), "{message}");
+            assert!(
+                message.contains("terminating connection due to administrator command"),
+                "{message}"
+            );
+        }
+        other => assert!(matches!(other, Ok(Some(_))), "{other:?}"),
+    }
+    // A server error: a role without grants on the table.
+    admin
+        .batch_execute("CREATE ROLE nogrant LOGIN")
+        .await
+        .unwrap();
+    let err = PgCheckpoint::new(&pg.connection_string_as("nogrant"), "disk")
+        .unwrap()
+        .save(snapshot_after(2))
+        .await
+        .expect_err("no grants");
+    let text = err.to_string();
+    assert!(text.contains("42501"), "{text}");
+    assert!(text.contains("permission denied"), "{text}");
+}

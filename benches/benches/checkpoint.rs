@@ -71,10 +71,13 @@ fn hot_path(c: &mut Criterion) {
                 })
             },
         );
-        assert!(
-            cb.stats().saves > 0,
-            "the checkpointer ran during the measurement"
-        );
+        // A run filtered to other groups skips the measurement (no iterations): nothing to check.
+        if i > 0 {
+            assert!(
+                cb.stats().saves > 0,
+                "the checkpointer ran during the measurement"
+            );
+        }
         rt.block_on(cp.shutdown()).unwrap();
     }
     g.finish();

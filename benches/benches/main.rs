@@ -4,12 +4,16 @@
 
 mod bucket;
 mod checkpoint;
+mod disk;
 mod dispatcher;
+mod keyed;
 mod throttle;
 
 criterion::criterion_main!(
     bucket::benches,
+    disk::benches,
     checkpoint::benches,
     dispatcher::benches,
+    keyed::benches,
     throttle::benches
 );

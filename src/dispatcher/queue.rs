@@ -189,6 +189,8 @@ impl<P: Payload> Queues<P> {
                 self.classes[c].entries.pop_front();
                 self.len -= 1;
                 stats[c].cancelled += 1;
+                #[cfg(feature = "metrics")]
+                crate::metrics::class_unqueued(shared.get(c).config.name(), true);
                 self.sync_active(shared, c);
                 continue;
             }

@@ -86,6 +86,8 @@ impl<P: Payload> ShardCore<P> {
     /// Queues a request (its cost is at most `max_cost`, checked at submission).
     pub(crate) fn enqueue(&mut self, entry: Entry<P>) {
         debug_assert!(entry.cost <= self.shared.max_cost);
+        #[cfg(feature = "metrics")]
+        crate::metrics::class_queued(self.shared.classes.get(entry.class).config.name());
         self.queues.push(&self.shared.classes, entry);
     }
 
@@ -161,9 +163,21 @@ impl<P: Payload> ShardCore<P> {
             if e.payload.is_cancelled() {
                 unused += e.cost;
                 rec.cancelled += 1;
+                #[cfg(feature = "metrics")]
+                crate::metrics::class_unqueued(
+                    self.shared.classes.get(e.class).config.name(),
+                    true,
+                );
                 continue;
             }
             rec.dispatched(e.bytes, e.cost, now.saturating_sub(e.submitted));
+            #[cfg(feature = "metrics")]
+            crate::metrics::class_dispatched(
+                self.shared.classes.get(e.class).config.name(),
+                e.bytes,
+                e.cost,
+                now.saturating_sub(e.submitted),
+            );
             out(e);
         }
         if unused > 0 {
@@ -183,6 +197,10 @@ impl<P: Payload> ShardCore<P> {
             out.extend(res.entries);
         }
         out.extend(self.queues.drain(&self.shared.classes));
+        #[cfg(feature = "metrics")]
+        out.iter().for_each(|e| {
+            crate::metrics::class_unqueued(self.shared.classes.get(e.class).config.name(), false)
+        });
         out
     }
 

@@ -1,0 +1,460 @@
+//! The I/O adapters on tokio's paused time and on a manual clock: the rate bound, cancellation,
+//! large and short operations, seek pass-through, capped accounting, the blocking wrapper and
+//! `request`.
+
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncSeekExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::time::Instant;
+
+use iothrottle::adapter::{BlockingThrottle, ThrottleExt, ThrottledIo};
+use iothrottle::{
+    BucketConfig, Capped, Clock, ManualClock, Mode, Rate, SharedTokenBucket, Throttle, TokioClock,
+    Uncapped,
+};
+
+const RATE: u64 = 1 << 20; // 1 MiB/s
+const LIMIT: u64 = 64 << 10; // 64 KiB burst
+
+fn throttle<M: Mode>(rate: u64, limit: u64) -> Throttle<M, TokioClock> {
+    Throttle::with_clock(
+        BucketConfig::new(Rate::per_second(rate), limit),
+        TokioClock::new(),
+    )
+    .unwrap()
+}
+
+/// Every byte that reached it, with tokio's time of arrival.
+#[derive(Clone, Default)]
+struct Log(Arc<Mutex<Vec<(Instant, u64)>>>);
+
+impl Log {
+    fn push(&self, n: u64) {
+        self.0.lock().unwrap().push((Instant::now(), n));
+    }
+
+    /// Checks `bytes(start..=t) ≤ rate × (t - start) + burst` at every arrival; returns the
+    /// total.
+    fn check_bound(&self, start: Instant, rate: u64, burst: u64) -> u64 {
+        let mut total = 0u64;
+        for &(at, n) in self.0.lock().unwrap().iter() {
+            total += n;
+            let t = at.duration_since(start);
+            let allowed = Rate::per_second(rate).tokens_in(t) as u64 + burst;
+            assert!(
+                total <= allowed,
+                "{total} bytes after {t:?}, at most {allowed} allowed"
+            );
+        }
+        total
+    }
+}
+
+/// A sink that logs what it is given.
+struct LogSink(Log);
+
+impl AsyncWrite for LogSink {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        self.0.push(buf.len() as u64);
+        Poll::Ready(Ok(buf.len()))
+    }
+    fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+    fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn bytes_through_the_adapter_stay_within_rate_times_t_plus_burst() {
+    let t = throttle::<Uncapped>(RATE, LIMIT);
+    let log = Log::default();
+    let start = Instant::now();
+    // Two writers with different buffer sizes and a reader, all on one throttle.
+    let mut tasks = Vec::new();
+    for size in [3_000usize, 200_000] {
+        let mut w = LogSink(log.clone()).throttled(&t);
+        tasks.push(tokio::spawn(async move {
+            let buf = vec![7u8; size];
+            loop {
+                w.write_all(&buf).await.unwrap();
+            }
+        }));
+    }
+    let log_r = log.clone();
+    let mut r = tokio::io::repeat(1).throttled(&t);
+    tasks.push(tokio::spawn(async move {
+        let mut buf = vec![0u8; 10_000];
+        loop {
+            let n = r.read(&mut buf).await.unwrap();
+            log_r.push(n as u64);
+        }
+    }));
+    let run = Duration::from_secs(10);
+    tokio::time::sleep(run).await;
+    for t in &tasks {
+        t.abort();
+    }
+    let total = log.check_bound(start, RATE, LIMIT);
+    let ideal = RATE * 10 + LIMIT;
+    assert!(
+        total as f64 >= 0.99 * ideal as f64,
+        "{total} bytes in 10 s, ideal {ideal}"
+    );
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_write_larger_than_the_limit_is_split_and_takes_exactly_its_time() {
+    let t = throttle::<Uncapped>(1_000, 100);
+    let log = Log::default();
+    let mut w = LogSink(log.clone()).throttled(&t);
+    let start = Instant::now();
+    // One poll_write moves at most one limit.
+    let n = w.write(&[0u8; 1_000]).await.unwrap();
+    assert_eq!(n, 100);
+    // write_all of 10 limits: the first 100 bytes were the full bucket, the next 1,000 take 1 s.
+    w.write_all(&[0u8; 1_000]).await.unwrap();
+    assert_eq!(start.elapsed(), Duration::from_secs(1));
+    assert_eq!(log.check_bound(start, 1_000, 100), 1_100);
+    assert!(log.0.lock().unwrap().iter().all(|&(_, n)| n <= 100));
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn max_chunk_is_clamped_to_the_limit_and_to_one() {
+    let t = throttle::<Uncapped>(1_000, 100);
+    assert_eq!(tokio::io::sink().throttled(&t).max_chunk(), 100);
+    assert_eq!(
+        tokio::io::sink()
+            .throttled(&t)
+            .with_max_chunk(10_000)
+            .max_chunk(),
+        100
+    );
+    assert_eq!(
+        tokio::io::sink()
+            .throttled(&t)
+            .with_max_chunk(0)
+            .max_chunk(),
+        1
+    );
+    let mut w = tokio::io::sink().throttled(&t).with_max_chunk(7);
+    assert_eq!(w.write(&[0u8; 50]).await.unwrap(), 7);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_write_cancelled_while_waiting_gives_its_tokens_back_in_order() {
+    let t = throttle::<Uncapped>(1_000, 100);
+    let mut w = tokio::io::sink().throttled(&t);
+    let start = Instant::now();
+    w.write_all(&[0u8; 100]).await.unwrap(); // empties the bucket
+                                             // Needs 50 ms; cancelled after 10 ms, mid-wait.
+    let cancelled = tokio::time::timeout(Duration::from_millis(10), w.write_all(&[0u8; 50])).await;
+    assert!(cancelled.is_err());
+    drop(w);
+    // Another writer gets 50 bytes 50 ms after the bucket was emptied: the cancelled claim left
+    // no trace (it would have taken until 100 ms).
+    let mut w2 = tokio::io::sink().throttled(&t);
+    w2.write_all(&[0u8; 50]).await.unwrap();
+    assert_eq!(start.elapsed(), Duration::from_millis(50));
+}
+
+/// A writer that says `Pending` (and wakes itself) on every other poll, and takes at most
+/// `max` bytes per write.
+struct Stutter {
+    pending_next: bool,
+    max: usize,
+    got: Vec<u8>,
+}
+
+impl AsyncWrite for Stutter {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let pend = self.pending_next;
+        self.pending_next = !pend;
+        if pend {
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
+        }
+        let n = buf.len().min(self.max);
+        self.got.extend_from_slice(&buf[..n]);
+        Poll::Ready(Ok(n))
+    }
+    fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+    fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl AsyncRead for Stutter {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let pend = self.pending_next;
+        self.pending_next = !pend;
+        if pend {
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
+        }
+        let n = buf.remaining().min(self.max);
+        buf.put_slice(&vec![9u8; n]);
+        Poll::Ready(Ok(()))
+    }
+}
+
+fn stutter(max: usize) -> Stutter {
+    Stutter {
+        pending_next: true,
+        max,
+        got: Vec::new(),
+    }
+}
+
+/// Drives one `poll_write` of the adapter by hand.
+fn poll_write_once<T: AsyncWrite + Unpin, M: Mode>(
+    io: &mut ThrottledIo<T, M, TokioClock>,
+    buf: &[u8],
+) -> Poll<std::io::Result<usize>> {
+    let waker = futures_noop_waker();
+    let mut cx = Context::from_waker(&waker);
+    Pin::new(io).poll_write(&mut cx, buf)
+}
+
+fn futures_noop_waker() -> std::task::Waker {
+    std::task::Waker::noop().clone()
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn dropping_the_adapter_while_the_inner_write_is_pending_refunds_the_grant() {
+    let t = throttle::<Uncapped>(1_000, 100);
+    t.bucket().replenish();
+    assert_eq!(t.bucket().available(), 100);
+    let mut w = stutter(usize::MAX).throttled(&t);
+    // Granted 60 tokens, then the inner writer said Pending: the adapter holds the credit.
+    assert!(poll_write_once(&mut w, &[0u8; 60]).is_pending());
+    assert_eq!(t.bucket().available(), 40);
+    drop(w);
+    assert_eq!(t.bucket().available(), 100);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn credit_held_across_pending_is_reused_and_short_writes_refund_the_rest() {
+    let t = throttle::<Uncapped>(1_000, 100);
+    t.bucket().replenish();
+    let mut w = stutter(10).throttled(&t);
+    assert!(poll_write_once(&mut w, &[1u8; 60]).is_pending());
+    assert_eq!(t.bucket().available(), 40);
+    // Retried with a smaller buffer: no second grant; the writer takes 10, 50 go back.
+    match poll_write_once(&mut w, &[2u8; 30]) {
+        Poll::Ready(Ok(10)) => {}
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(t.bucket().available(), 90);
+    assert_eq!(w.get_ref().got, vec![2u8; 10]);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn short_reads_and_end_of_file_refund_what_they_did_not_fill() {
+    let t = throttle::<Uncapped>(1_000, 100);
+    t.bucket().replenish();
+    let mut r = stutter(10).throttled(&t);
+    let mut buf = [0u8; 80];
+    assert_eq!(r.read(&mut buf).await.unwrap(), 10);
+    assert_eq!(t.bucket().available(), 90);
+    let mut eof = tokio::io::empty().throttled(&t);
+    assert_eq!(eof.read(&mut buf).await.unwrap(), 0);
+    assert_eq!(t.bucket().available(), 90);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn async_seek_passes_through() {
+    let t = throttle::<Uncapped>(1_000, 100);
+    let mut io = std::io::Cursor::new(Vec::new()).throttled(&t);
+    io.write_all(b"hello, throttled world").await.unwrap();
+    assert_eq!(io.seek(SeekFrom::Start(7)).await.unwrap(), 7);
+    let mut s = String::new();
+    io.read_to_string(&mut s).await.unwrap();
+    assert_eq!(s, "throttled world");
+    assert_eq!(io.stream_position().await.unwrap(), 22);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_closed_throttle_fails_the_io_with_an_error() {
+    let t = throttle::<Uncapped>(1_000, 100);
+    t.close();
+    let err = tokio::io::sink()
+        .throttled(&t)
+        .write(&[0u8; 10])
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("closed"), "{err}");
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn capped_adapter_releases_every_token_exactly_once() {
+    let t = throttle::<Capped>(1_000, 100);
+    let limit = t.bucket().limit();
+    // A leak would stall the capped bucket for ever: bound the run (virtual time).
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let mut w = stutter(7).throttled(&t);
+        w.write_all(&[0u8; 500]).await.unwrap();
+        let mut r = stutter(13).throttled(&t);
+        let mut buf = [0u8; 90];
+        for _ in 0..10 {
+            assert_eq!(r.read(&mut buf).await.unwrap(), 13);
+        }
+        // Cancel one in line and drop one holding credit.
+        let cancelled = tokio::time::timeout(Duration::from_micros(10), async {
+            let mut w = tokio::io::sink().throttled(&t);
+            w.write_all(&[0u8; 300]).await
+        })
+        .await;
+        assert!(cancelled.is_err());
+        let mut held = stutter(1).throttled(&t);
+        let _ = poll_write_once(&mut held, &[0u8; 20]);
+    })
+    .await
+    .expect("the capped bucket stalled: tokens leaked");
+    let s = t.bucket().snapshot();
+    assert_eq!(
+        s.ceil.unwrap().wrapping_sub(s.tail),
+        limit,
+        "every grabbed token was released or refunded exactly once: {s:?}"
+    );
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn request_splits_a_cost_above_the_limit_and_refunds_when_cancelled() {
+    let t = throttle::<Uncapped>(1_000, 100);
+    let start = Instant::now();
+    t.request(350).await.unwrap();
+    assert_eq!(start.elapsed(), Duration::from_millis(250));
+    // 1,000 tokens need 1 s; cancelled after 500 ms the granted pieces go back.
+    let cancelled = tokio::time::timeout(Duration::from_millis(500), t.request(1_000)).await;
+    assert!(cancelled.is_err());
+    // As if nothing had been asked: the bucket refills to its limit by 100 ms later.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    t.bucket().replenish();
+    assert_eq!(t.bucket().available(), 100);
+    t.close();
+    assert!(t.request(10).await.is_err());
+}
+
+/// A writer that logs each write with the manual clock's time.
+struct ClockLog {
+    clock: ManualClock,
+    log: Vec<(Duration, u64)>,
+    data: Vec<u8>,
+}
+
+impl Write for ClockLog {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.log.push((self.clock.now(), buf.len() as u64));
+        self.data.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn blocking_wrapper_on_a_manual_clock_keeps_the_rate_exactly() {
+    let clock = ManualClock::new();
+    let bucket = SharedTokenBucket::<Uncapped, _>::with_clock(
+        BucketConfig::new(Rate::per_second(1_000), 100),
+        clock.clone(),
+    )
+    .unwrap();
+    let c = clock.clone();
+    let throttle =
+        BlockingThrottle::from_bucket(Arc::new(bucket)).with_sleep(move |d| c.advance(d));
+    let mut w = throttle.wrap(ClockLog {
+        clock: clock.clone(),
+        log: Vec::new(),
+        data: Vec::new(),
+    });
+    let payload: Vec<u8> = (0..2_100u32).map(|i| i as u8).collect();
+    w.write_all(&payload).unwrap();
+    // 100 at once, 2,000 more at 1,000/s.
+    assert_eq!(clock.now(), Duration::from_secs(2));
+    let inner = w.into_inner();
+    assert_eq!(inner.data, payload);
+    let mut total = 0;
+    for &(t, n) in &inner.log {
+        assert!(n <= 100);
+        total += n;
+        assert!(total <= Rate::per_second(1_000).tokens_in(t) as u64 + 100);
+    }
+    // Reads through the same throttle: the bucket is empty, 500 bytes take 0.5 s.
+    let mut r = throttle.wrap(std::io::Cursor::new(payload.clone()));
+    r.seek(SeekFrom::Start(100)).unwrap();
+    let mut buf = vec![0u8; 500];
+    r.read_exact(&mut buf).unwrap();
+    assert_eq!(&buf[..], &payload[100..600]);
+    assert_eq!(clock.now(), Duration::from_millis(2_500));
+    // A read at end of file refunds its grant.
+    let mut eof = throttle.wrap(std::io::empty());
+    clock.advance(Duration::from_secs(1));
+    throttle.bucket().replenish();
+    let before = throttle.bucket().available();
+    assert_eq!(before, 100);
+    assert_eq!(eof.read(&mut buf).unwrap(), 0);
+    assert_eq!(throttle.bucket().available(), before);
+}
+
+#[test]
+fn blocking_threads_share_one_bucket_within_the_bound() {
+    // Real time, no timing assertion: 4 threads × 40 KiB through a 10 MiB/s bucket all finish
+    // and every byte arrives.
+    let throttle = BlockingThrottle::<Uncapped, _>::new(BucketConfig::new(
+        Rate::per_second(10 << 20),
+        16 << 10,
+    ))
+    .unwrap();
+    let handles: Vec<_> = (0..4)
+        .map(|_| {
+            let t = throttle.clone();
+            std::thread::spawn(move || {
+                let mut w = t.wrap(Vec::new());
+                w.write_all(&vec![1u8; 40 << 10]).unwrap();
+                w.into_inner().len()
+            })
+        })
+        .collect();
+    for h in handles {
+        assert_eq!(h.join().unwrap(), 40 << 10);
+    }
+}
+
+#[test]
+fn blocking_request_on_a_capped_bucket_completes_every_piece() {
+    let clock = ManualClock::new();
+    let bucket = SharedTokenBucket::<Capped, _>::with_clock(
+        BucketConfig::new(Rate::per_second(1_000), 100),
+        clock.clone(),
+    )
+    .unwrap();
+    let c = clock.clone();
+    let throttle =
+        BlockingThrottle::from_bucket(Arc::new(bucket)).with_sleep(move |d| c.advance(d));
+    throttle.request(1_050);
+    assert_eq!(clock.now(), Duration::from_millis(950));
+    let s = throttle.bucket().snapshot();
+    assert_eq!(s.ceil.unwrap().wrapping_sub(s.tail), 100);
+}
