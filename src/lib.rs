@@ -51,6 +51,8 @@ pub mod bucket;
 pub mod checkpoint;
 pub mod clock;
 #[cfg(not(iothrottle_loom))]
+pub mod disk;
+#[cfg(not(iothrottle_loom))]
 pub mod dispatcher;
 #[cfg(iothrottle_loom)]
 #[path = "dispatcher/loom.rs"]

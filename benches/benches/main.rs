@@ -4,11 +4,13 @@
 
 mod bucket;
 mod checkpoint;
+mod disk;
 mod dispatcher;
 mod throttle;
 
 criterion::criterion_main!(
     bucket::benches,
+    disk::benches,
     checkpoint::benches,
     dispatcher::benches,
     throttle::benches

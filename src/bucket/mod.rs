@@ -292,6 +292,10 @@ impl<M: Mode, C: Clock> SharedTokenBucket<M, C> {
 
     /// [`replenish`](Self::replenish) at a time the caller already read from the bucket's clock
     /// (saves a clock read on a hot path).
+    ///
+    /// Any `Duration` is accepted: a reading not after the last replenish does nothing, and
+    /// readings beyond 2^63 − 2 ns (about 292 years after the clock's origin) count as that
+    /// time.
     #[inline]
     pub fn replenish_at(&self, now: Duration) -> u64 {
         self.rovers.replenish(timestamp(now))

@@ -161,7 +161,8 @@ impl Rate {
     ///
     /// let max = Rate::per_second(Rate::MAX_PER_SECOND);
     /// assert_eq!(max.tokens_in(Duration::from_secs(1 << 40)), (Rate::MAX_PER_SECOND as u128) << 40);
-    /// assert_eq!(Rate::per_second(u64::MAX).tokens_in(Duration::MAX), u128::MAX);
+    /// let per_ns = Rate::new(u64::MAX, Duration::from_nanos(1));
+    /// assert_eq!(per_ns.tokens_in(Duration::MAX), u128::MAX); // beyond u128: saturated
     /// ```
     pub fn tokens_in(&self, elapsed: Duration) -> u128 {
         let (t, p, e) = (

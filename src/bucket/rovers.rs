@@ -105,8 +105,17 @@ impl<M: Mode> Rovers<M> {
     /// Rovers at `tail = head = start`, `ceil = start + limit`, before the first replenish,
     /// counting tokens from `now`.
     pub(crate) fn new(rate: RawRate, limit: u64, threshold: u64, start: u64, now: u64) -> Self {
+        // The same rate before `now`, from 0: a first replenish at a reading before `now` (a
+        // stale `replenish_at`) leaves `last` there, and every `last` must be priceable.
+        let now = now.min(MAX_TIMESTAMP);
+        let regime = Regime {
+            rate,
+            epoch: now,
+            prev: rate,
+            prev_epoch: 0,
+        };
         Self::at(
-            Regime::new(rate, now.min(MAX_TIMESTAMP)),
+            regime,
             limit,
             threshold,
             (start, start, start.wrapping_add(limit)),
@@ -266,8 +275,8 @@ impl<M: Mode> Rovers<M> {
             extra
         };
         // Release on success: a replenisher that reads `now` from here also sees the regime
-        // we priced with (the chain the Acquire above relies on). Relaxed on failure: another
-        // thread moved `last` and covers the time; we leave.
+        // we priced with (through the Acquire fence of its own regime read). Relaxed on
+        // failure: another thread moved `last` and covers the time; we leave.
         self.repl
             .last
             .compare_exchange(last, now, Ordering::Release, Ordering::Relaxed)

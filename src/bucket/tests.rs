@@ -425,3 +425,23 @@ fn set_rate_before_the_first_replenish_keeps_the_first_fill() {
     clock.advance(Duration::from_millis(20));
     assert_eq!(b.replenish(), 20);
 }
+
+#[test]
+fn first_replenish_before_the_creation_time_does_not_wedge_the_bucket() {
+    // Created at 100 s; the first replenish reads an earlier time (a stale `replenish_at`).
+    let clock = ManualClock::new();
+    clock.advance(Duration::from_secs(100));
+    let cfg = BucketConfig::new(Rate::per_second(1_000), 1_000);
+    let b = SharedTokenBucket::<Uncapped, _>::with_clock(cfg, clock.clone()).unwrap();
+    assert_eq!(
+        b.replenish_at(Duration::from_secs(10)),
+        1_000,
+        "the first fill"
+    );
+    b.grab(1_000);
+    assert_eq!(b.replenish_at(Duration::from_millis(10_001)), 1);
+    assert_eq!(b.replenish_at(Duration::from_secs(100)), 999);
+    b.grab(1_000);
+    b.set_rate(Rate::per_second(2_000)).unwrap();
+    assert_eq!(b.replenish_at(Duration::from_millis(100_001)), 2);
+}

@@ -1,0 +1,496 @@
+//! Calibration: measure the disk under a directory, as Seastar's iotune does, in seconds.
+
+use std::io;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use io_uring::{opcode, types, IoUring};
+
+use crate::error::{CalibrateError, DiskError};
+
+use super::buf::{AlignedBuf, ALIGN};
+use super::file::open_direct;
+use super::fs::memory_fs;
+use super::props::{mountpoint_of, DiskProperties, IoProperties};
+
+/// What [`calibrate`] does and for how long.
+#[derive(Debug, Clone)]
+pub struct CalibrateOptions {
+    /// Time for the four measurements, in seconds (5..=60, default 30). Writing the scratch file
+    /// once comes on top (about `file_size / write bandwidth`).
+    pub seconds: u64,
+    /// Size of the scratch file (default 1 GiB, at least 64 MiB): large, so that random requests
+    /// rarely hit a cache below the guest.
+    pub file_size: u64,
+    /// Size of the random requests (default 4 KiB).
+    pub random_size: usize,
+    /// Size of the sequential requests (default 1 MiB).
+    pub sequential_size: usize,
+    /// Queue depth of the sequential measurements (default 8).
+    pub sequential_depth: u32,
+    /// The deepest queue tried for random requests (default 128).
+    pub max_depth: u32,
+}
+
+impl Default for CalibrateOptions {
+    fn default() -> Self {
+        CalibrateOptions {
+            seconds: 30,
+            file_size: 1 << 30,
+            random_size: 4096,
+            sequential_size: 1 << 20,
+            sequential_depth: 8,
+            max_depth: 128,
+        }
+    }
+}
+
+/// The ladder always goes at least this deep (virtio and NVMe disks saturate at 16–64).
+const MIN_LADDER_DEPTH: u32 = 32;
+
+/// One step of a queue-depth ladder.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DepthStep {
+    /// Requests kept in flight.
+    pub depth: u32,
+    /// Requests completed per second.
+    pub iops: f64,
+}
+
+/// Everything [`calibrate_detailed`] measured.
+#[derive(Debug, Clone)]
+pub struct Calibration {
+    /// The io-properties (one disk, the directory's mount point).
+    pub properties: IoProperties,
+    /// The queue depth the random reads saturated at (the figure is measured there).
+    pub read_depth: u32,
+    /// The queue depth the random writes saturated at.
+    pub write_depth: u32,
+    /// Random reads per second at each depth tried.
+    pub read_ladder: Vec<DepthStep>,
+    /// Random writes per second at each depth tried.
+    pub write_ladder: Vec<DepthStep>,
+    /// Time to write the scratch file once.
+    pub fill: Duration,
+    /// Wall time of the whole calibration.
+    pub elapsed: Duration,
+}
+
+/// Measures the disk under `dir` and returns its io-properties: random reads and writes of
+/// [`random_size`](CalibrateOptions::random_size) at increasing queue depths until the IOPS
+/// stop growing (two depths in a row add less than 5%, going at least to depth 32), then sequential reads and writes of
+/// [`sequential_size`](CalibrateOptions::sequential_size). All I/O is O_DIRECT on a scratch file
+/// of [`file_size`](CalibrateOptions::file_size) that is reserved (`fallocate`), written once,
+/// measured with time-based runs, and removed. One thread keeps the queue depth with io_uring.
+///
+/// Errors: a memory file system ([`DiskError::NotADisk`]), no O_DIRECT, a full disk
+/// ([`DiskError::NoSpace`] before anything is written), io_uring unavailable, bad options.
+pub fn calibrate(
+    dir: impl AsRef<Path>,
+    options: &CalibrateOptions,
+) -> Result<IoProperties, CalibrateError> {
+    calibrate_detailed(dir, options).map(|c| c.properties)
+}
+
+/// [`calibrate`] with the ladders, depths and timings.
+pub fn calibrate_detailed(
+    dir: impl AsRef<Path>,
+    options: &CalibrateOptions,
+) -> Result<Calibration, CalibrateError> {
+    let started = Instant::now();
+    let dir = dir.as_ref();
+    check_options(options)?;
+    if let Some(fs) = memory_fs(dir) {
+        return Err(DiskError::NotADisk {
+            path: dir.to_owned(),
+            fs,
+        }
+        .into());
+    }
+    let mountpoint =
+        mountpoint_of(dir).map_err(|source| crate::error::PropertiesError::Mountpoint {
+            path: dir.to_owned(),
+            source,
+        })?;
+    let path = dir.join(format!(".iothrottle-calibrate-{}.tmp", std::process::id()));
+    let scratch = Scratch(path.clone());
+    let file = open_direct(&path, true, true)?;
+    let fd = file.as_raw_fd();
+    let io_err = |op: &'static str| {
+        let path = path.clone();
+        move |source: io::Error| -> CalibrateError {
+            match source.raw_os_error() {
+                Some(libc::ENOSPC) | Some(libc::EFBIG) | Some(libc::EDQUOT) => DiskError::NoSpace {
+                    offset: 0,
+                    len: options.file_size,
+                    source,
+                }
+                .into(),
+                _ => DiskError::Io { op, path, source }.into(),
+            }
+        }
+    };
+    let size = libc::off_t::try_from(options.file_size)
+        .map_err(|_| CalibrateError::Options("file_size too large".into()))?;
+    // SAFETY: plain syscall on our own open file, no pointers.
+    if unsafe { libc::fallocate(fd, 0, 0, size) } != 0 {
+        return Err(io_err("reserve (fallocate)")(io::Error::last_os_error()));
+    }
+
+    let depth_max = options.max_depth.max(options.sequential_depth);
+    let mut ring =
+        IoUring::new(depth_max.next_power_of_two().max(8)).map_err(CalibrateError::NoIoUring)?;
+    let mut bench = Bench {
+        ring: &mut ring,
+        fd,
+        file_size: options.file_size,
+        rng: 0x9E37_79B9_7F4A_7C15 ^ u64::from(std::process::id()),
+        bufs: Vec::new(),
+    };
+
+    // Write the file once, so that reads read written blocks and writes overwrite them.
+    let t = Instant::now();
+    bench
+        .run(
+            Op::Write,
+            options.sequential_size,
+            options.sequential_depth,
+            Pattern::Sequential,
+            Stop::Bytes(options.file_size),
+        )
+        .map_err(io_err("write"))?;
+    let fill = t.elapsed();
+
+    let total = Duration::from_secs(options.seconds);
+    let seq = total.mul_f64(0.15);
+    let rand = total.mul_f64(0.35);
+
+    let (read_depth, read_ladder, read_iops) = bench
+        .ladder(Op::Read, options.random_size, options.max_depth, rand)
+        .map_err(io_err("read"))?;
+    let (write_depth, write_ladder, write_iops) = bench
+        .ladder(Op::Write, options.random_size, options.max_depth, rand)
+        .map_err(io_err("write"))?;
+    let m = bench
+        .run(
+            Op::Read,
+            options.sequential_size,
+            options.sequential_depth,
+            Pattern::Sequential,
+            Stop::After(seq),
+        )
+        .map_err(io_err("read"))?;
+    let read_bandwidth = m.bytes_per_second();
+    let m = bench
+        .run(
+            Op::Write,
+            options.sequential_size,
+            options.sequential_depth,
+            Pattern::Sequential,
+            Stop::After(seq),
+        )
+        .map_err(io_err("write"))?;
+    let write_bandwidth = m.bytes_per_second();
+    drop(file);
+    drop(scratch);
+
+    let figure = |v: f64, phase: &'static str| {
+        let v = v.round();
+        if v >= 1.0 {
+            Ok(v as u64)
+        } else {
+            Err(CalibrateError::NothingMeasured { phase })
+        }
+    };
+    let disk = DiskProperties {
+        mountpoints: vec![mountpoint.to_string_lossy().into_owned()],
+        read_iops: figure(read_iops, "random read")?,
+        read_bandwidth: figure(read_bandwidth, "sequential read")?,
+        write_iops: figure(write_iops, "random write")?,
+        write_bandwidth: figure(write_bandwidth, "sequential write")?,
+        read_saturation_length: None,
+        write_saturation_length: None,
+    };
+    Ok(Calibration {
+        properties: IoProperties { disks: vec![disk] },
+        read_depth,
+        write_depth,
+        read_ladder,
+        write_ladder,
+        fill,
+        elapsed: started.elapsed(),
+    })
+}
+
+fn check_options(o: &CalibrateOptions) -> Result<(), CalibrateError> {
+    let bad = |s: String| Err(CalibrateError::Options(s));
+    if !(5..=60).contains(&o.seconds) {
+        return bad(format!("seconds must be in 5..=60, got {}", o.seconds));
+    }
+    if o.file_size < 64 << 20 || !o.file_size.is_multiple_of(ALIGN as u64) {
+        return bad(format!(
+            "file_size must be a multiple of 4096 of at least 64 MiB, got {}",
+            o.file_size
+        ));
+    }
+    for (name, v) in [
+        ("random_size", o.random_size),
+        ("sequential_size", o.sequential_size),
+    ] {
+        if v == 0 || v % ALIGN != 0 || v as u64 > o.file_size / 16 || v > 64 << 20 {
+            return bad(format!("{name} must be a positive multiple of 4096 of at most file_size/16 and 64 MiB, got {v}"));
+        }
+    }
+    for (name, v) in [
+        ("sequential_depth", o.sequential_depth),
+        ("max_depth", o.max_depth),
+    ] {
+        if !(1..=1024).contains(&v) {
+            return bad(format!("{name} must be in 1..=1024, got {v}"));
+        }
+    }
+    Ok(())
+}
+
+/// Removes the scratch file when calibration ends, however it ends.
+struct Scratch(PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Op {
+    Read,
+    Write,
+}
+
+#[derive(Clone, Copy)]
+enum Pattern {
+    Random,
+    Sequential,
+}
+
+#[derive(Clone, Copy)]
+enum Stop {
+    After(Duration),
+    Bytes(u64),
+}
+
+struct Measure {
+    ops: u64,
+    bytes: u64,
+    elapsed: Duration,
+}
+
+impl Measure {
+    fn per_second(&self, n: u64) -> f64 {
+        n as f64 / self.elapsed.as_secs_f64().max(1e-9)
+    }
+    fn iops(&self) -> f64 {
+        self.per_second(self.ops)
+    }
+    fn bytes_per_second(&self) -> f64 {
+        self.per_second(self.bytes)
+    }
+}
+
+struct Bench<'r> {
+    ring: &'r mut IoUring,
+    fd: i32,
+    file_size: u64,
+    rng: u64,
+    bufs: Vec<AlignedBuf>,
+}
+
+impl Bench<'_> {
+    fn next_random(&mut self, size: usize) -> u64 {
+        // xorshift64*: fast and uniform enough to spread requests over the file.
+        self.rng ^= self.rng >> 12;
+        self.rng ^= self.rng << 25;
+        self.rng ^= self.rng >> 27;
+        let r = self.rng.wrapping_mul(0x2545_F491_4F6C_DD1D);
+        let slots = self.file_size / size as u64;
+        (r % slots) * size as u64
+    }
+
+    /// Random requests at depths 1, 2, 4, … (at least to [`MIN_LADDER_DEPTH`]) until two depths
+    /// in a row add less than 5% to the best; then the best depth is measured again for the
+    /// rest of `budget`.
+    fn ladder(
+        &mut self,
+        op: Op,
+        size: usize,
+        max: u32,
+        budget: Duration,
+    ) -> io::Result<(u32, Vec<DepthStep>, f64)> {
+        let step = budget.mul_f64(0.08);
+        let mut ladder = Vec::new();
+        let mut best = DepthStep {
+            depth: 1,
+            iops: 0.0,
+        };
+        let started = Instant::now();
+        let mut depth = 1;
+        // Depths that did not beat the best by 5% in a row: two end the ladder (one alone may
+        // be noise).
+        let mut misses = 0;
+        while depth <= max {
+            let m = self.run(op, size, depth, Pattern::Random, Stop::After(step))?;
+            let s = DepthStep {
+                depth,
+                iops: m.iops(),
+            };
+            ladder.push(s);
+            if s.iops >= best.iops * 1.05 {
+                misses = 0;
+            } else {
+                misses += 1;
+            }
+            if s.iops > best.iops {
+                best = s;
+            }
+            // Shallow queues never end the ladder: on a shared machine a noisy step at depth 2
+            // or 4 would otherwise stop it far below saturation.
+            if misses >= 2 && depth >= MIN_LADDER_DEPTH {
+                break;
+            }
+            depth *= 2;
+        }
+        let rest = budget.saturating_sub(started.elapsed()).max(step);
+        let m = self.run(op, size, best.depth, Pattern::Random, Stop::After(rest))?;
+        Ok((best.depth, ladder, m.iops()))
+    }
+
+    /// Keeps `depth` requests of `size` in flight until `stop`.
+    fn run(
+        &mut self,
+        op: Op,
+        size: usize,
+        depth: u32,
+        pattern: Pattern,
+        stop: Stop,
+    ) -> io::Result<Measure> {
+        let depth = depth as usize;
+        while self.bufs.len() < depth || self.bufs.first().is_some_and(|b| b.len() < size) {
+            if self.bufs.first().is_some_and(|b| b.len() < size) {
+                self.bufs.clear();
+            }
+            let mut b = AlignedBuf::zeroed(size).map_err(io::Error::other)?;
+            // Incompressible data, in case something below compresses or deduplicates.
+            for chunk in b.chunks_mut(8) {
+                let r = self.next_random(ALIGN).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                chunk.copy_from_slice(&r.to_le_bytes()[..chunk.len()]);
+            }
+            self.bufs.push(b);
+        }
+        let started = Instant::now();
+        // Time-based runs count from the end of a short ramp (a tenth of the run, at most half
+        // a second), as fio's `ramp_time` does: the queue fills and the device settles first.
+        let ramp = match stop {
+            Stop::After(d) => (d / 10).min(Duration::from_millis(500)),
+            Stop::Bytes(_) => Duration::ZERO,
+        };
+        let mut counting_from = None;
+        let mut next_seq = 0u64;
+        let mut issued_bytes = 0u64;
+        let mut m = Measure {
+            ops: 0,
+            bytes: 0,
+            elapsed: Duration::ZERO,
+        };
+        let mut in_flight = 0usize;
+        let more = |issued: u64, now: Instant| match stop {
+            Stop::After(d) => now.duration_since(started) < d,
+            Stop::Bytes(b) => issued < b,
+        };
+        let mut next_offset = |this: &mut Self| match pattern {
+            Pattern::Random => this.next_random(size),
+            Pattern::Sequential => {
+                let o = next_seq;
+                next_seq = (next_seq + size as u64) % this.file_size;
+                o
+            }
+        };
+        for slot in 0..depth {
+            if !more(issued_bytes, Instant::now()) {
+                break;
+            }
+            let off = next_offset(self);
+            self.push(op, slot, size, off)?;
+            issued_bytes += size as u64;
+            in_flight += 1;
+        }
+        let mut done = [(0u64, 0i32); 64];
+        while in_flight > 0 {
+            self.ring.submit_and_wait(1)?;
+            let mut n = 0;
+            for c in self.ring.completion().take(done.len()) {
+                done[n] = (c.user_data(), c.result());
+                n += 1;
+            }
+            let now = Instant::now();
+            let counting = match counting_from {
+                Some(_) => true,
+                None if now.duration_since(started) >= ramp => {
+                    counting_from = Some(now);
+                    ramp.is_zero()
+                }
+                None => false,
+            };
+            for &(slot, res) in &done[..n] {
+                in_flight -= 1;
+                if res < 0 {
+                    // Drain what is still in flight before reporting: the buffers must outlive it.
+                    self.drain(in_flight)?;
+                    return Err(io::Error::from_raw_os_error(-res));
+                }
+                if counting {
+                    m.ops += 1;
+                    m.bytes += res as u64;
+                }
+                if more(issued_bytes, now) {
+                    let off = next_offset(self);
+                    self.push(op, slot as usize, size, off)?;
+                    issued_bytes += size as u64;
+                    in_flight += 1;
+                }
+            }
+        }
+        m.elapsed = counting_from.map_or(Duration::ZERO, |t| t.elapsed());
+        Ok(m)
+    }
+
+    fn drain(&mut self, mut in_flight: usize) -> io::Result<()> {
+        while in_flight > 0 {
+            self.ring.submit_and_wait(1)?;
+            in_flight -= self.ring.completion().count();
+        }
+        Ok(())
+    }
+
+    fn push(&mut self, op: Op, slot: usize, size: usize, offset: u64) -> io::Result<()> {
+        let fd = types::Fd(self.fd);
+        let ptr = self.bufs[slot].raw();
+        let entry = match op {
+            Op::Read => opcode::Read::new(fd, ptr, size as u32)
+                .offset(offset)
+                .build(),
+            Op::Write => opcode::Write::new(fd, ptr, size as u32)
+                .offset(offset)
+                .build(),
+        }
+        .user_data(slot as u64);
+        // Submitted by the next `submit_and_wait` of `run`/`drain`.
+        // SAFETY: buffer `slot` (at least `size` bytes) is used by this one request only and
+        // outlives it: `run` and `drain` wait for every request before returning, and
+        // `self.bufs` is not touched while requests are in flight.
+        while unsafe { self.ring.submission().push(&entry) }.is_err() {
+            self.ring.submit()?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,289 @@
+//! `ThrottledFile`: real O_DIRECT I/O through the dispatcher, on io_uring and on the blocking
+//! pool; bad input; completions releasing capped tokens.
+
+use std::os::fd::FromRawFd;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use iothrottle::disk::{AlignedBuf, Backend, FileOptions, Resolved, ThrottledFile, ALIGN};
+use iothrottle::dispatcher::{ClassConfig, ClassId, DiskModel, Dispatcher, IoRequest};
+use iothrottle::error::DiskError;
+
+fn dispatcher(capped: bool) -> (Arc<Dispatcher>, ClassId) {
+    let mut b = Dispatcher::builder()
+        .shards(1)
+        .pin_threads(false)
+        .capped(capped)
+        .disk(DiskModel::new(
+            1_000_000_000,
+            1_000_000_000,
+            100_000,
+            100_000,
+        ));
+    let class = b.add_class(ClassConfig::new("io", 100)).unwrap();
+    (Arc::new(b.build().unwrap()), class)
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap()
+}
+
+fn scratch() -> tempfile::TempDir {
+    tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap()
+}
+
+fn options(backend: Backend) -> FileOptions {
+    FileOptions {
+        backend,
+        max_piece: 64 * 1024,
+        ..FileOptions::read_write()
+    }
+}
+
+fn round_trip(backend: Backend, expect: Resolved) {
+    let dir = scratch();
+    let (d, class) = dispatcher(true);
+    let f =
+        ThrottledFile::open(d.clone(), class, dir.path().join("data"), options(backend)).unwrap();
+    assert_eq!(f.backend(), expect);
+    let rt = rt();
+    let len = 1 << 20;
+    let data: Vec<u8> = (0..len).map(|i| (i * 7 + i / 4096) as u8).collect();
+    let buf = AlignedBuf::from_slice(&data).unwrap();
+    let buf = rt.block_on(f.write_at(buf, 8 * ALIGN as u64)).unwrap();
+    assert_eq!(buf.len(), len);
+    let (back, n) = rt
+        .block_on(f.read_at(AlignedBuf::zeroed(len).unwrap(), 8 * ALIGN as u64))
+        .unwrap();
+    assert_eq!(n, len);
+    assert!(back[..] == data[..], "read back what was written");
+    // Read past the end: short, not an error.
+    let (_, n) = rt
+        .block_on(f.read_at(
+            AlignedBuf::zeroed(4 * ALIGN).unwrap(),
+            (8 * ALIGN + len - ALIGN) as u64,
+        ))
+        .unwrap();
+    assert_eq!(n, ALIGN);
+    // Each 64 KiB piece was its own dispatcher request: 16 + 16 + 1.
+    let stats = d.stats_blocking();
+    assert_eq!(stats.classes[class.index()].requests, 33);
+    // Capped: every completion gave its tokens back.
+    rt.block_on(d.stats());
+    let s = d.bucket_state();
+    assert_eq!(s.ceil.unwrap().wrapping_sub(s.tail), d.limit());
+}
+
+#[test]
+fn round_trip_on_io_uring() {
+    round_trip(Backend::IoUring, Resolved::IoUring);
+}
+
+#[test]
+fn round_trip_on_the_blocking_pool() {
+    round_trip(Backend::Blocking, Resolved::Blocking);
+}
+
+#[test]
+fn unaligned_offsets_and_pieces_are_refused_before_any_io() {
+    let dir = scratch();
+    let (d, class) = dispatcher(false);
+    let path = dir.path().join("data");
+    let f = ThrottledFile::open(d.clone(), class, &path, options(Backend::Auto)).unwrap();
+    let rt = rt();
+    let err = rt
+        .block_on(f.write_at(AlignedBuf::zeroed(ALIGN).unwrap(), 100))
+        .unwrap_err();
+    assert!(matches!(
+        err,
+        DiskError::Unaligned {
+            what: "offset",
+            value: 100,
+            align: 4096
+        }
+    ));
+    let err = rt
+        .block_on(f.read_at(AlignedBuf::zeroed(ALIGN).unwrap(), 512))
+        .unwrap_err();
+    assert!(matches!(err, DiskError::Unaligned { what: "offset", .. }));
+    let err = rt
+        .block_on(f.write_at(AlignedBuf::zeroed(ALIGN).unwrap(), u64::MAX - 4095))
+        .unwrap_err();
+    assert!(matches!(err, DiskError::OffsetOverflow { .. }));
+    // Nothing was written or even submitted.
+    assert_eq!(std::fs::metadata(&path).unwrap().len(), 0);
+    assert_eq!(d.stats_blocking().classes[class.index()].requests, 0);
+    // Unaligned buffers cannot be made at all.
+    assert!(matches!(
+        AlignedBuf::zeroed(1000),
+        Err(DiskError::Unaligned {
+            what: "buffer length",
+            ..
+        })
+    ));
+    let bad_piece = FileOptions {
+        max_piece: 1000,
+        ..FileOptions::read_write()
+    };
+    assert!(matches!(
+        ThrottledFile::open(d, class, &path, bad_piece),
+        Err(DiskError::Unaligned {
+            what: "max piece size",
+            value: 1000,
+            ..
+        })
+    ));
+}
+
+#[test]
+fn a_piece_too_costly_for_the_dispatcher_is_refused_before_any_write() {
+    let dir = scratch();
+    let mut b = Dispatcher::builder()
+        .shards(1)
+        .pin_threads(false)
+        .max_cost(200_000)
+        .disk(DiskModel::new(
+            1_000_000_000,
+            1_000_000_000,
+            100_000,
+            100_000,
+        ));
+    let class = b.add_class(ClassConfig::new("io", 100)).unwrap();
+    let d = Arc::new(b.build().unwrap());
+    let path = dir.path().join("data");
+    // 1 MiB pieces cost ~1 ms of disk time, above the 0.2 ms allowed.
+    let opts = FileOptions {
+        max_piece: 1 << 20,
+        ..FileOptions::read_write()
+    };
+    let f = ThrottledFile::open(d.clone(), class, &path, opts).unwrap();
+    let err = rt()
+        .block_on(f.write_at(AlignedBuf::zeroed(4 << 20).unwrap(), 0))
+        .unwrap_err();
+    assert!(matches!(err, DiskError::Submit(_)), "{err:?}");
+    assert_eq!(std::fs::metadata(&path).unwrap().len(), 0);
+}
+
+#[test]
+fn file_systems_without_o_direct_are_a_typed_error() {
+    let (d, class) = dispatcher(false);
+    // procfs refuses O_DIRECT with EINVAL, as FUSE file systems and old tmpfs do.
+    let err = ThrottledFile::open(d, class, "/proc/version", FileOptions::default()).unwrap_err();
+    match err {
+        DiskError::DirectIoUnsupported { path, fs } => {
+            assert_eq!(path, Path::new("/proc/version"));
+            assert_eq!(fs, "proc");
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+}
+
+#[test]
+fn memory_file_systems_are_not_disks() {
+    let shm = Path::new("/dev/shm");
+    let dir = tempfile::tempdir_in(shm).expect("/dev/shm is a tmpfs here");
+    let (d, class) = dispatcher(false);
+    let path = dir.path().join("data");
+    let err = ThrottledFile::open(d, class, &path, FileOptions::read_write()).unwrap_err();
+    assert!(
+        matches!(err, DiskError::NotADisk { fs: "tmpfs", .. }),
+        "{err:?}"
+    );
+    assert!(!path.exists(), "nothing created");
+}
+
+/// The I/O runs without blocking the shard: a write that cannot complete yet (into a full
+/// pipe) is in flight on the only shard while another request on that shard runs to the end;
+/// and in capped mode its tokens are held until the write completes, then released.
+#[test]
+fn io_in_flight_does_not_block_the_shard_and_holds_capped_tokens() {
+    let mut fds = [0; 2];
+    // SAFETY: `fds` has room for the two descriptors.
+    assert_eq!(
+        unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_DIRECT | libc::O_CLOEXEC) },
+        0
+    );
+    // SAFETY: both descriptors were just made and are owned by nothing else.
+    let (mut rd, mut wr) = unsafe {
+        (
+            std::fs::File::from_raw_fd(fds[0]),
+            std::fs::File::from_raw_fd(fds[1]),
+        )
+    };
+    // One page of pipe buffer, filled: the next write waits for a reader.
+    // SAFETY: plain fcntl on our own descriptor.
+    assert!(unsafe { libc::fcntl(fds[1], libc::F_SETPIPE_SZ, ALIGN as libc::c_int) } >= 0);
+    std::io::Write::write_all(&mut wr, &[1u8; ALIGN]).unwrap();
+    let (d, class) = dispatcher(true);
+    let opts = FileOptions {
+        backend: Backend::IoUring,
+        write: true,
+        reserve_writes: false, // a pipe has no blocks to reserve
+        ..FileOptions::default()
+    };
+    let f = Arc::new(ThrottledFile::from_file(d.clone(), class, wr, "pipe", opts).unwrap());
+    let rt = rt();
+    rt.block_on(async {
+        let writer = f.clone();
+        let write = tokio::spawn(async move {
+            writer
+                .write_at(AlignedBuf::from_slice(&[9u8; ALIGN]).unwrap(), 0)
+                .await
+        });
+        tokio::task::yield_now().await;
+        // Another request on the same (only) shard runs to completion meanwhile. Were the write
+        // blocking the shard's thread this would never finish (the guard fails the test
+        // instead of hanging).
+        let other = d
+            .submit(class, IoRequest::read(4096), async { 42 })
+            .unwrap();
+        let v = tokio::time::timeout(Duration::from_secs(60), other)
+            .await
+            .expect("the shard is blocked")
+            .unwrap();
+        assert_eq!(v, 42);
+        assert!(
+            !write.is_finished(),
+            "the write cannot have completed: the pipe is full"
+        );
+        // Capped: the write's tokens are held while it is in flight.
+        d.stats().await;
+        let s = d.bucket_state();
+        let free = s.ceil.unwrap().wrapping_sub(s.tail);
+        assert!(
+            free < d.limit(),
+            "tokens of the in-flight write held: {free} < {}",
+            d.limit()
+        );
+        // Make room: the write completes.
+        let mut page = vec![0u8; ALIGN];
+        std::io::Read::read_exact(&mut rd, &mut page).unwrap();
+        assert!(page.iter().all(|&b| b == 1));
+        write.await.unwrap().unwrap();
+        std::io::Read::read_exact(&mut rd, &mut page).unwrap();
+        assert!(page.iter().all(|&b| b == 9));
+        d.stats().await;
+        let s = d.bucket_state();
+        assert_eq!(
+            s.ceil.unwrap().wrapping_sub(s.tail),
+            d.limit(),
+            "released at completion"
+        );
+    });
+}
+
+#[test]
+fn from_file_needs_o_direct() {
+    let dir = scratch();
+    let path = dir.path().join("plain");
+    let plain = std::fs::File::create(&path).unwrap();
+    let (d, class) = dispatcher(false);
+    assert!(matches!(
+        ThrottledFile::from_file(d, class, plain, &path, FileOptions::default()),
+        Err(DiskError::NotDirect { .. })
+    ));
+}
