@@ -21,8 +21,8 @@
 //!   so a give-back and each refund it unblocks cost O(log N). This protocol is
 //!   `DeferredGiveBacks`, built on `crate::sync` only, and loom-modelled
 //!   (`loom-tests/throttle_deferred.rs`).
-//! - `granted` and `cancelled` (the [`stats`](Throttle::stats) counters): **Relaxed**
-//!   `fetch_add`, statistics that order nothing.
+//! - `given_back`, `waiting_tokens` and `cancelled` (the [`stats`](Throttle::stats) counters,
+//!   slow path only): **Relaxed**, statistics that order nothing.
 //! - `waiters`: **Relaxed**. It only decides whether a give-back bothers to call
 //!   `notify_waiters`. A missed notification costs latency, never a hang: every sleeping waiter
 //!   also has a timer for the time its tokens accrue at the current rate.
@@ -103,9 +103,16 @@ struct Shared<M: Mode, C: Clock> {
     counters: CachePadded<ThrottleCounters>,
 }
 
-#[derive(Debug, Default)]
+/// Statistics, all off the fast path: the granted tokens are derived from the bucket's `tail`.
+#[derive(Debug)]
 struct ThrottleCounters {
-    granted: AtomicU64,
+    /// The bucket's `tail` when the throttle was made.
+    tail0: u64,
+    /// Tokens of claims given back unserved.
+    given_back: AtomicU64,
+    /// Tokens of claims in the slow path now.
+    waiting_tokens: AtomicU64,
+    /// Claims given back unserved.
     cancelled: AtomicU64,
 }
 
@@ -114,7 +121,11 @@ struct ThrottleCounters {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub struct ThrottleStats {
-    /// Tokens granted (in permits) since the throttle was made.
+    /// Tokens granted since the throttle was made: tokens claimed on its bucket since then,
+    /// minus those given back unserved and those still waiting. Derived from the bucket's
+    /// `tail`, so that the fast path counts nothing: it includes grabs on the same bucket by
+    /// others (a shared bucket), and is exact when no `acquire` is between its grab and its
+    /// return.
     pub granted_tokens: u64,
     /// `acquire` calls waiting now (past the fast path, not finished).
     pub waiting: u64,
@@ -148,8 +159,11 @@ impl<M: Mode, C: Clock> Shared<M, C> {
         if tokens == 0 {
             return;
         }
-        // Relaxed: a statistic.
+        // Relaxed: statistics.
         self.counters.cancelled.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .given_back
+            .fetch_add(tokens, Ordering::Relaxed);
         if self.deferred.give_back(&self.bucket, start, tokens) {
             self.wake_waiters();
         }
@@ -245,6 +259,7 @@ impl<M: Mode, C: Clock> Throttle<M, C> {
     }
 
     fn from_parts(bucket: Arc<SharedTokenBucket<M, C>>, gate: Option<Arc<MarkGate>>) -> Self {
+        let tail0 = bucket.snapshot().tail;
         Throttle {
             shared: Arc::new(Shared {
                 bucket,
@@ -252,7 +267,12 @@ impl<M: Mode, C: Clock> Throttle<M, C> {
                 waiters: AtomicU64::new(0),
                 deferred: DeferredGiveBacks::new(),
                 gate,
-                counters: CachePadded::new(ThrottleCounters::default()),
+                counters: CachePadded::new(ThrottleCounters {
+                    tail0,
+                    given_back: AtomicU64::new(0),
+                    waiting_tokens: AtomicU64::new(0),
+                    cancelled: AtomicU64::new(0),
+                }),
             }),
         }
     }
@@ -261,8 +281,11 @@ impl<M: Mode, C: Clock> Throttle<M, C> {
     pub fn stats(&self) -> ThrottleStats {
         let c = &self.shared.counters;
         // Relaxed: statistics.
+        let waiting_tokens = c.waiting_tokens.load(Ordering::Relaxed);
+        let given_back = c.given_back.load(Ordering::Relaxed);
+        let claimed = self.shared.bucket.snapshot().tail.wrapping_sub(c.tail0);
         ThrottleStats {
-            granted_tokens: c.granted.load(Ordering::Relaxed),
+            granted_tokens: claimed.saturating_sub(given_back.saturating_add(waiting_tokens)),
             waiting: self.shared.waiters.load(Ordering::Relaxed),
             cancelled: c.cancelled.load(Ordering::Relaxed),
         }
@@ -335,6 +358,7 @@ impl<M: Mode, C: Clock + 'static> Throttle<M, C> {
         let mut claim = Claim {
             shared,
             start: tail.wrapping_sub(cost),
+            cost,
             tokens: cost,
             waiting: false,
         };
@@ -350,6 +374,11 @@ impl<M: Mode, C: Clock + 'static> Throttle<M, C> {
         claim.waiting = true;
         // Relaxed: see the module doc.
         shared.waiters.fetch_add(1, Ordering::Relaxed);
+        // Relaxed: a statistic.
+        shared
+            .counters
+            .waiting_tokens
+            .fetch_add(cost, Ordering::Relaxed);
         let mut sleep = pin!(tokio::time::sleep(Duration::ZERO));
         let mut yielded = false;
         // When the timer we slept on said our tokens would be there.
@@ -456,6 +485,7 @@ impl<M: Mode, C: Clock + 'static> Throttle<M, C> {
                 let claim = Claim {
                     shared,
                     start: tail.wrapping_sub(cost),
+                    cost,
                     tokens: cost,
                     waiting: false,
                 };
@@ -517,6 +547,8 @@ impl<M: Mode, C: Clock> fmt::Debug for Throttle<M, C> {
 struct Claim<'a, M: Mode, C: Clock> {
     shared: &'a Shared<M, C>,
     start: u64,
+    /// The claim's size (`tokens` becomes 0 once granted).
+    cost: u64,
     tokens: u64,
     /// Counted in `shared.waiters`.
     waiting: bool,
@@ -526,11 +558,7 @@ impl<M: Mode, C: Clock + 'static> Claim<'_, M, C> {
     /// The tokens are there: they become a permit.
     fn grant(mut self, bucket: &Arc<SharedTokenBucket<M, C>>) -> Permit<M, C> {
         let tokens = std::mem::take(&mut self.tokens);
-        // Relaxed: a statistic.
-        self.shared
-            .counters
-            .granted
-            .fetch_add(tokens, Ordering::Relaxed);
+
         Permit {
             tokens,
             tail: self.start.wrapping_add(tokens),
@@ -544,6 +572,11 @@ impl<M: Mode, C: Clock> Drop for Claim<'_, M, C> {
         if self.waiting {
             // Relaxed: see the module doc.
             self.shared.waiters.fetch_sub(1, Ordering::Relaxed);
+            // Relaxed: a statistic.
+            self.shared
+                .counters
+                .waiting_tokens
+                .fetch_sub(self.cost, Ordering::Relaxed);
         }
         // `grant` took the tokens; anything left was never served.
         self.shared.give_back(self.start, self.tokens);
