@@ -6,6 +6,7 @@
 mod common;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use common::pg::{cluster_or_skip, cluster_with_files_or_skip, PgCluster};
 use iothrottle::checkpoint::{Checkpoint, PgCheckpoint, Snapshot};
@@ -17,8 +18,13 @@ use tokio_postgres::NoTls;
 /// A self-signed certificate for `127.0.0.1` and `localhost`, whose subject is `CN=cn`:
 /// (certificate DER, PEM, key PEM).
 fn self_signed(cn: &str) -> (Vec<u8>, String, String) {
+    self_signed_for(cn, &["127.0.0.1", "localhost"])
+}
+
+/// A self-signed certificate for the names (or addresses) `sans`.
+fn self_signed_for(cn: &str, sans: &[&str]) -> (Vec<u8>, String, String) {
     let mut params =
-        rcgen::CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()])
+        rcgen::CertificateParams::new(sans.iter().map(|n| n.to_string()).collect::<Vec<_>>())
             .expect("certificate parameters");
     params
         .distinguished_name
@@ -43,7 +49,12 @@ fn trusting(root: &[u8]) -> ClientConfig {
 
 /// A cluster with `ssl=on` and the certificate; returns it with the certificate's DER.
 fn tls_cluster(test: &str) -> Option<(PgCluster, Vec<u8>)> {
-    let (der, cert, key) = self_signed("iothrottle test server");
+    tls_cluster_for(test, &["127.0.0.1", "localhost"])
+}
+
+/// [`tls_cluster`] with a certificate for `sans`.
+fn tls_cluster_for(test: &str, sans: &[&str]) -> Option<(PgCluster, Vec<u8>)> {
+    let (der, cert, key) = self_signed_for("iothrottle test server", sans);
     let pg = cluster_with_files_or_skip(
         test,
         &[
@@ -249,4 +260,87 @@ async fn tls_never_falls_back_to_plaintext() {
     plain.install().await.unwrap();
     let (all, encrypted) = sessions_of(&admin(&pg).await, "iothrottle").await;
     assert_eq!((all, encrypted), (1, 0));
+}
+
+#[tokio::test]
+async fn a_certificate_for_another_host_is_refused() {
+    // Trusted issuer, wrong name: the certificate is for `db.invalid`, the client connects to
+    // 127.0.0.1.
+    let Some((pg, der)) =
+        tls_cluster_for("a_certificate_for_another_host_is_refused", &["db.invalid"])
+    else {
+        return;
+    };
+    let err = match PgKeyedLimiter::connect(
+        &pg.connection_string(),
+        PgOptions::new().with_tls(trusting(&der)),
+    )
+    .await
+    {
+        Ok(_) => panic!("connected although the certificate names another host"),
+        Err(e) => e,
+    };
+    assert!(
+        matches!(err, PgLimitError::Connection { .. }),
+        "typed: {err:?}"
+    );
+    assert!(
+        err.to_string().contains("not valid for name \"127.0.0.1\""),
+        "names the failure: {err}"
+    );
+}
+
+#[tokio::test]
+async fn a_stuck_call_over_tls_is_cancelled_over_tls() {
+    let Some((pg, der)) = tls_cluster("a_stuck_call_over_tls_is_cancelled_over_tls") else {
+        return;
+    };
+    let opts = PgOptions::new()
+        .with_connections(1)
+        .with_call_timeout(Some(Duration::from_millis(200)))
+        .with_tls(trusting(&der));
+    let l = PgKeyedLimiter::connect(&pg.connection_string(), opts)
+        .await
+        .unwrap();
+    l.install().await.unwrap();
+    assert_eq!(l.request("k", 1, 100).await.unwrap(), 99);
+    let blocker = admin(&pg).await;
+    blocker
+        .batch_execute("BEGIN; UPDATE iothrottle.token_bucket SET granted = 0 WHERE id = 'k'")
+        .await
+        .unwrap();
+    let err = l.request("k", 1, 100).await.unwrap_err();
+    assert!(matches!(err, PgLimitError::TimedOut { .. }), "{err:?}");
+    // The cancel request goes over TLS too (the session requires it): the stuck statement
+    // stops waiting on the row lock while the blocker still holds it. (Bounded so that a
+    // cancel that never arrives fails the test instead of hanging it.)
+    let cancelled = tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            blocker
+                .execute("SELECT pg_stat_clear_snapshot()", &[])
+                .await
+                .unwrap();
+            let waiting: i64 = blocker
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'iothrottle' \
+                     AND wait_event_type = 'Lock'",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            if waiting == 0 {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    assert!(cancelled.is_ok(), "the stuck statement was never cancelled");
+    blocker.batch_execute("ROLLBACK").await.unwrap();
+    // The next call reconnects, over TLS.
+    assert!(l.request("k", 1, 100).await.unwrap() >= 97);
+    assert_eq!(l.stats().connects, 2);
+    let (all, encrypted) = sessions_of(&admin(&pg).await, "iothrottle").await;
+    assert_eq!((all, encrypted), (1, 1));
 }
