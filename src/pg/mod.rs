@@ -170,7 +170,9 @@ impl PgOptions {
     /// [`Connection`](PgLimitError::Connection), whose text names the handshake failure
     /// (`error performing TLS handshake: invalid peer certificate: UnknownIssuer`).
     ///
-    /// Without this option connections use no TLS.
+    /// Without this option connections use no TLS. (`PgOptions` equality compares the TLS
+    /// configuration by identity: clones of one `PgOptions` are equal, two `with_tls` calls
+    /// are not.)
     #[cfg(feature = "postgres-tls")]
     #[cfg_attr(docsrs, doc(cfg(feature = "postgres-tls")))]
     pub fn with_tls(mut self, config: rustls::ClientConfig) -> Self {
