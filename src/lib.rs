@@ -90,6 +90,8 @@
 //!   [`dispatcher`], [`checkpoint`], [`TokioClock`]). Without it the crate is the bucket, the
 //!   blocking adapters and the keyed throttle, and compiles no tokio.
 //! - `postgres` (off by default): PostgreSQL backends through `tokio-postgres` (implies `rt`).
+//! - `postgres-tls` (off by default): TLS for those backends through `tokio-postgres-rustls`
+//!   (rustls with the `ring` provider); implies `postgres`.
 //! - `metrics` (off by default): per-class and per-throttle metrics through the `metrics`
 //!   facade; nothing of it is compiled when off.
 //!

@@ -35,11 +35,12 @@ use std::str::FromStr;
 use std::time::{Duration, UNIX_EPOCH};
 
 use tokio::sync::Mutex;
-use tokio_postgres::{Client, Config, NoTls, Statement};
+use tokio_postgres::{Client, Config, Statement};
 
 use crate::bucket::{BucketState, Rate};
 use crate::checkpoint::{Checkpoint, Snapshot, FORMAT_VERSION};
 use crate::error::CheckpointError;
+use crate::pg::tls::Tls;
 
 const CREATE: &str = "CREATE TABLE IF NOT EXISTS iothrottle_checkpoint (
     name text PRIMARY KEY,
@@ -86,6 +87,7 @@ pub struct PgCheckpoint {
     config: Config,
     name: String,
     timeout: Duration,
+    tls: Tls,
     conn: Mutex<Option<(Client, Statement)>>,
 }
 
@@ -110,6 +112,7 @@ impl PgCheckpoint {
             config,
             name: name.into(),
             timeout: Duration::from_secs(10),
+            tls: Tls::Off,
             conn: Mutex::new(None),
         })
     }
@@ -117,6 +120,19 @@ impl PgCheckpoint {
     /// Fails an operation that takes longer than `timeout` (and drops the connection).
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
+        self
+    }
+
+    /// Connects over TLS with `config` (feature `postgres-tls`), as
+    /// [`PgOptions::with_tls`](crate::pg::PgOptions::with_tls) does for the limiters:
+    /// `sslmode=prefer` (the default) acts as `require`, and a server certificate `config`
+    /// does not trust fails every operation with [`CheckpointError::Postgres`] whose message
+    /// names the handshake failure. Without it the store uses no TLS.
+    #[cfg(feature = "postgres-tls")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "postgres-tls")))]
+    pub fn with_tls(mut self, config: crate::pg::rustls::ClientConfig) -> Self {
+        self.tls = Tls::rustls(config);
+        self.tls.apply(&mut self.config);
         self
     }
 
@@ -179,16 +195,11 @@ impl PgCheckpoint {
 
     /// Opens a connection whose commits are durable.
     async fn open(&self) -> Result<Client, CheckpointError> {
-        let (client, connection) = self
-            .config
-            .connect(NoTls)
+        let client = self
+            .tls
+            .connect(&self.config, "postgres checkpoint")
             .await
             .map_err(pg_err("connect"))?;
-        tokio::spawn(async move {
-            if let Err(e) = connection.await {
-                tracing::debug!(error = %e, "postgres checkpoint connection closed");
-            }
-        });
         // Durable commits whatever the server, role or database says: any value but `off`
         // waits for the local WAL flush (the stronger `remote_*` settings are kept).
         let sync: String = client
@@ -356,6 +367,7 @@ impl fmt::Debug for PgCheckpoint {
             .field("ports", &self.config.get_ports())
             .field("dbname", &self.config.get_dbname())
             .field("name", &self.name)
+            .field("tls", &self.tls)
             .finish()
     }
 }

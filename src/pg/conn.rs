@@ -12,7 +12,7 @@ use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use tokio_postgres::{Client, Config, NoTls, Statement};
+use tokio_postgres::{Client, Config, Statement};
 
 use super::retry::{classify, typed, with_retries, Class, RunError, Stats};
 use super::{Isolation, PgOptions};
@@ -74,9 +74,10 @@ impl Conn {
     /// Parses `config`; connects on first use.
     pub(crate) fn lazy(config: &str, options: PgOptions) -> Result<Conn, PgLimitError> {
         options.validate()?;
-        let parsed: Config = config
+        let mut parsed: Config = config
             .parse()
             .map_err(|e| PgLimitError::Connection { source: e })?;
+        options.tls.apply(&mut parsed);
         Ok(Conn {
             config: parsed,
             options,
@@ -110,7 +111,7 @@ impl Conn {
                 }));
             }
         }
-        let (client, connection) = match self.config.connect(NoTls).await {
+        let client = match self.options.tls.connect(&self.config, "postgres").await {
             Ok(c) => c,
             Err(e) => {
                 let mut down = self.down.lock().expect("back-off");
@@ -122,15 +123,16 @@ impl Conn {
                     backoff,
                     why: crate::error::pg_error_text(&e),
                 });
+                // Without a SQLSTATE the server was not reached or refused at the transport
+                // level (socket, TLS handshake, a server without TLS under `require`): a
+                // connection error, whatever the driver's inner error type.
+                if e.code().is_none() {
+                    return Err(RunError::Typed(PgLimitError::Connection { source: e }));
+                }
                 return Err(e.into());
             }
         };
         *self.down.lock().expect("back-off") = None;
-        tokio::spawn(async move {
-            if let Err(e) = connection.await {
-                tracing::debug!(error = %e, "postgres connection ended");
-            }
-        });
         self.stats.count_connect();
         let iso = match self.options.isolation {
             Isolation::ReadCommitted => "read committed",
@@ -193,12 +195,7 @@ impl Conn {
                     // (it may have committed already: the outcome is unknown) and start the
                     // next call on a fresh session.
                     if let Some(live) = self.current() {
-                        let token = live.client.cancel_token();
-                        tokio::spawn(async move {
-                            if let Err(e) = token.cancel_query(NoTls).await {
-                                tracing::debug!(error = %e, "cancelling a timed-out call failed");
-                            }
-                        });
+                        self.options.tls.cancel(live.client.cancel_token());
                     }
                     self.drop_live();
                     return Err(PgLimitError::TimedOut { after });

@@ -139,7 +139,8 @@ pub struct PgKeyedLimiter {
 }
 
 impl PgKeyedLimiter {
-    /// Connects to `config` (`"host=… user=…"` or `postgresql://…`), without TLS.
+    /// Connects to `config` (`"host=… user=…"` or `postgresql://…`), without TLS unless
+    /// [`PgOptions::with_tls`](super::PgOptions::with_tls) (feature `postgres-tls`) says otherwise.
     pub async fn connect(config: &str, options: PgOptions) -> Result<Self, PgLimitError> {
         let schema = Schema::new(options.schema())?;
         let pool = Pool::connect(config, options).await?;

@@ -16,7 +16,8 @@
 //! The long-form guide, with the load generator's figures, is `docs/postgres.md`, included
 //! below.
 //!
-//! Connections are plain TCP or Unix sockets without TLS (`tokio_postgres::NoTls`).
+//! Connections are plain TCP or Unix sockets without TLS (`tokio_postgres::NoTls`) unless
+//! [`PgOptions::with_tls`] (feature `postgres-tls`) gives a rustls configuration.
 #![doc = include_str!("../../docs/postgres.md")]
 
 mod conn;
@@ -25,6 +26,7 @@ pub mod leased;
 pub mod reference;
 mod retry;
 mod schema;
+pub(crate) mod tls;
 pub mod window;
 
 pub use keyed::{Grant, PgKeyedLimiter};
@@ -32,6 +34,13 @@ pub use leased::{DbTime, LeaseOptions, LeaseStats, LeasedKey, PgLeasedLimiter};
 pub use retry::{PgStats, RetryPolicy};
 pub use schema::{install, install_classic_function, installed_version, Schema, SCHEMA_VERSION};
 pub use window::{Decision, PgWindowLimiter, Zone};
+
+/// The rustls version whose [`ClientConfig`](rustls::ClientConfig) [`PgOptions::with_tls`]
+/// and [`PgCheckpoint::with_tls`](crate::checkpoint::PgCheckpoint::with_tls) take, built with
+/// the `ring` crypto provider only (feature `postgres-tls`).
+#[cfg(feature = "postgres-tls")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres-tls")))]
+pub use rustls;
 
 use crate::error::PgLimitError;
 
@@ -82,6 +91,7 @@ pub struct PgOptions {
     retry: RetryPolicy,
     connections: usize,
     call_timeout: Option<std::time::Duration>,
+    tls: tls::Tls,
 }
 
 impl Default for PgOptions {
@@ -93,6 +103,7 @@ impl Default for PgOptions {
             retry: RetryPolicy::default(),
             connections: 4,
             call_timeout: Some(std::time::Duration::from_secs(30)),
+            tls: tls::Tls::Off,
         }
     }
 }
@@ -147,6 +158,25 @@ impl PgOptions {
     /// Default 30 s.
     pub fn with_call_timeout(mut self, timeout: Option<std::time::Duration>) -> Self {
         self.call_timeout = timeout;
+        self
+    }
+
+    /// Connects over TLS with `config` (feature `postgres-tls`): its root store decides which
+    /// server certificates are trusted, and the host name of the connection string (or its IP
+    /// address) must match the certificate. `sslmode=prefer`, the default, then acts as
+    /// `require`: a server that declines TLS is a connection error, never a plaintext
+    /// session; `sslmode=disable` in the connection string still turns TLS off. A certificate
+    /// the configuration does not trust fails the connect with
+    /// [`Connection`](PgLimitError::Connection), whose text names the handshake failure
+    /// (`error performing TLS handshake: invalid peer certificate: UnknownIssuer`).
+    ///
+    /// Without this option connections use no TLS. (`PgOptions` equality compares the TLS
+    /// configuration by identity: clones of one `PgOptions` are equal, two `with_tls` calls
+    /// are not.)
+    #[cfg(feature = "postgres-tls")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "postgres-tls")))]
+    pub fn with_tls(mut self, config: rustls::ClientConfig) -> Self {
+        self.tls = tls::Tls::rustls(config);
         self
     }
 

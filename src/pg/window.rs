@@ -129,7 +129,8 @@ pub struct PgWindowLimiter {
 }
 
 impl PgWindowLimiter {
-    /// Connects to `config`, without TLS.
+    /// Connects to `config`, without TLS unless [`PgOptions::with_tls`] (feature
+    /// `postgres-tls`) says otherwise.
     pub async fn connect(config: &str, options: PgOptions) -> Result<Self, PgLimitError> {
         let schema = Schema::new(options.schema())?;
         let conn = Conn::connect(config, options).await?;

@@ -39,13 +39,24 @@ pub fn cluster_or_skip(test: &str) -> Option<PgCluster> {
 /// [`cluster_or_skip`] with extra server settings (`-c name=value`), e.g.
 /// `("synchronous_commit", "off")`; they stay in force across restarts.
 pub fn cluster_with_settings_or_skip(test: &str, settings: &[(&str, &str)]) -> Option<PgCluster> {
+    cluster_with_files_or_skip(test, settings, &[])
+}
+
+/// [`cluster_with_settings_or_skip`] with files written into the data directory before the
+/// server starts (owned by the server's user, mode 0600), e.g. `server.crt` and `server.key`
+/// for `ssl=on`; settings name them relative to the data directory.
+pub fn cluster_with_files_or_skip(
+    test: &str,
+    settings: &[(&str, &str)],
+    files: &[(&str, &[u8])],
+) -> Option<PgCluster> {
     let settings: Vec<(String, String)> = settings
         .iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect();
     match find_bin() {
         Some(bin) => {
-            Some(PgCluster::start(bin, settings).unwrap_or_else(|e| panic!("{test}: {e}")))
+            Some(PgCluster::start(bin, settings, files).unwrap_or_else(|e| panic!("{test}: {e}")))
         }
         None => {
             let msg = format!(
@@ -112,7 +123,11 @@ fn free_port() -> u16 {
 }
 
 impl PgCluster {
-    fn start(bin: PathBuf, settings: Vec<(String, String)>) -> Result<PgCluster, String> {
+    fn start(
+        bin: PathBuf,
+        settings: Vec<(String, String)>,
+        files: &[(&str, &[u8])],
+    ) -> Result<PgCluster, String> {
         let dir = tempfile::Builder::new()
             .prefix("iothrottle-pg-")
             .tempdir()
@@ -145,6 +160,16 @@ impl PgCluster {
                 String::from_utf8_lossy(&out.stdout),
                 String::from_utf8_lossy(&out.stderr)
             ));
+        }
+        for (name, bytes) in files {
+            let path = data.join(name);
+            fs::write(&path, bytes).map_err(|e| format!("writing {name}: {e}"))?;
+            fs::set_permissions(&path, fs::Permissions::from_mode(0o600))
+                .map_err(|e| format!("chmod {name}: {e}"))?;
+            if let Some((uid, gid)) = owner {
+                std::os::unix::fs::chown(&path, Some(uid), Some(gid))
+                    .map_err(|e| format!("chown {name}: {e}"))?;
+            }
         }
         let mut pg = PgCluster {
             bin,
