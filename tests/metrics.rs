@@ -6,7 +6,7 @@ use std::sync::{Mutex, OnceLock};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use metrics_util::MetricKind;
 
-use iothrottle::dispatcher::{ClassConfig, Dispatcher, IoRequest};
+use iothrottle::dispatcher::{ClassConfig, DiskModel, Dispatcher, IoRequest};
 use iothrottle::metrics::{export_throttle, names, ThrottleCounters};
 use iothrottle::Rate;
 
@@ -75,7 +75,11 @@ fn histogram_len(v: Option<&DebugValue>) -> usize {
 #[test]
 fn per_class_counters_match_the_dispatcher_stats() {
     let (snap, _serial) = recorder();
-    let mut b = Dispatcher::builder().shards(2).pin_threads(false);
+    let mut b = Dispatcher::builder()
+        .shards(2)
+        .disk(DiskModel::symmetric(1 << 30, 100_000))
+        .capped(false)
+        .pin_threads(false);
     let fg = b.add_class(ClassConfig::new("m_fg", 800)).unwrap();
     let bg = b.add_class(ClassConfig::new("m_bg", 200)).unwrap();
     let d = b.build().unwrap();
@@ -131,6 +135,8 @@ fn cancelled_requests_are_counted_and_leave_the_queue_gauge() {
     let (snap, _serial) = recorder();
     let mut b = Dispatcher::builder()
         .shards(1)
+        .disk(DiskModel::symmetric(1 << 30, 100_000))
+        .capped(false)
         .rate(Rate::per_second(1_000))
         .limit(100)
         .pin_threads(false);
