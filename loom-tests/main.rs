@@ -28,6 +28,7 @@ mod capped;
 mod checkpoint_mark;
 mod fresh;
 mod grab;
+mod leased;
 mod mixed;
 mod rate;
 mod replenish;
