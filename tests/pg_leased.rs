@@ -560,3 +560,29 @@ async fn leased_eviction_never_holds_more_than_max_lease() {
     // "b"'s call finishes (it may have been evicted and re-created meanwhile).
     on_b.await.unwrap();
 }
+
+/// A lease in flight when `shutdown` closes its key: its tokens land on a closed state and
+/// go back to the row; the call then leases for a fresh state. Nothing is lost or created:
+/// the row ends with the burst minus exactly what was granted (the clock is frozen).
+#[tokio::test]
+async fn lease_landing_after_shutdown_gives_its_tokens_back() {
+    let Some(pg) = cluster_or_skip("lease_landing_after_shutdown_gives_its_tokens_back") else {
+        return;
+    };
+    let clock = ManualClock::new();
+    let opts = LeaseOptions::new(1, 300, 100).unwrap().with_min_lease(100);
+    let l = leased(&pg, opts, &clock).await;
+    let mut a = l.key("a").await.unwrap();
+    assert!(a.try_acquire(100).await.unwrap());
+    {
+        let mut on_a = std::pin::pin!(a.try_acquire(1));
+        assert!(poll_once(on_a.as_mut()).await.is_none()); // its lease is in flight
+        assert_eq!(l.shutdown().await.unwrap(), 0); // nothing held yet
+        assert!(on_a.await.unwrap());
+    }
+    assert_eq!(l.local_tokens("a"), 99);
+    assert_eq!(l.shutdown().await.unwrap(), 99);
+    let s = l.stats();
+    assert_eq!((s.leased, s.returned), (300, 199));
+    assert_eq!(global_micro(&pg, "a").await, (300 - 101) * 1_000_000);
+}
