@@ -31,6 +31,7 @@ mod dispatcher_fair;
 mod dispatcher_timer;
 mod fresh;
 mod grab;
+mod leased;
 mod mixed;
 mod rate;
 mod replenish;

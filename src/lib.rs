@@ -126,6 +126,10 @@ pub mod dispatcher;
 pub mod error;
 #[cfg(not(iothrottle_loom))]
 pub mod keyed;
+// Leased mode's atomic core: used by `pg::leased`, and modelled by the loom tests.
+#[cfg(any(feature = "postgres", iothrottle_loom))]
+#[doc(hidden)]
+pub mod lease_core;
 #[cfg(feature = "metrics")]
 #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
 pub mod metrics;

@@ -1,9 +1,9 @@
 //! Leased mode: the global rate at local speed.
 //!
-//! Each process keeps, per hot key, a local [`SharedTokenBucket`] that is **never refilled by
-//! time**: its only source of tokens is leases, batches taken from the key's Postgres row by
-//! the strict-mode statement in its "take up to N" form. A call takes its tokens from the
-//! local bucket (a couple of atomic operations, no round trip); the database sees one
+//! Each process keeps, per hot key, a local token count that is **never refilled by time**:
+//! its only source of tokens is leases, batches taken from the key's Postgres row by the
+//! strict-mode statement in its "take up to N" form. A call takes its tokens from the local
+//! count (one compare-and-swap when uncontended, no round trip); the database sees one
 //! statement per lease.
 //!
 //! - **Refill before running dry**: when a grant leaves fewer than half a lease locally, a
@@ -15,8 +15,11 @@
 //!   grants arrive spread over time at the global rate, and calls in between are refused
 //!   locally without a round trip.
 //! - **Unused tokens go back** on [`shutdown`](PgLeasedLimiter::shutdown) and when a key is
-//!   evicted. Dropping a limiter without `shutdown` loses the tokens it held (the keys are
-//!   under-used for a moment; never over-used).
+//!   evicted. An evicted key is closed and emptied while it leaves the key map, before any
+//!   call can re-create it, so its old state (still reachable through a [`LeasedKey`]) grants
+//!   nothing more; a lease of the old state that lands after that gives its tokens back.
+//!   Dropping a limiter without `shutdown` loses the tokens it held (the keys are under-used
+//!   for a moment; never over-used).
 //! - **Bounded memory**: at most `max_keys` keys are kept; keys idle for `idle_timeout` are
 //!   evicted first, then the least recently used.
 //!
@@ -29,8 +32,12 @@
 //! rate × W + burst + K × max_lease
 //! ```
 //!
-//! Proof sketch: a process never holds more than `max_lease` tokens locally (a lease asks for
-//! at most `max_lease - held`, and only one lease per key is in flight). Tokens granted in
+//! Proof sketch: a process never holds more than `max_lease` usable tokens of a key (a lease
+//! asks for at most `max_lease - held`, one lease per key state at a time, and `held` counts
+//! exactly the tokens that can still be taken: a failing take moves nothing; and a key state
+//! leaves the map closed, so the state that replaces it is the only one holding usable
+//! tokens: tests `leased_eviction_never_holds_more_than_max_lease` and
+//! `failing_fast_path_take_makes_no_refund_vanish`). Tokens granted in
 //! the window were either held locally at its start (at most `K × max_lease`) or leased in it,
 //! net of those given back; and what can be leased net of returns is at most what the global
 //! bucket held at the start (at most `burst`) plus its refill (`rate × W`, exact in
@@ -41,9 +48,10 @@
 //!
 //! The per-key `last_used` and `low` and the statistics are `Relaxed`: they feed estimates
 //! (idle eviction, when to refill) and counts, never a decision that other memory depends on.
-//! Everything else about leasing (the consumption estimate, the evicted flag) lives under the
-//! key's lease mutex. The local bucket's own atomics are the bucket's business. The fast path
-//! does one RMW on the bucket's `tail` and nothing else shared, so a hot key scales.
+//! The consumption estimate lives under the key's lease mutex. The local tokens and the
+//! refill flag are the crate's `lease_core`, model-checked by loom (`loom-tests/leased.rs`).
+//! The fast path does one successful compare-and-swap on the key's token count and nothing
+//! else shared.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, RwLock};
@@ -52,9 +60,9 @@ use std::time::{Duration, SystemTime};
 use super::keyed::PgKeyedLimiter;
 use super::retry::PgStats;
 use super::{check_bucket, check_key, PgOptions, MAX_CAPACITY};
-use crate::bucket::{BucketConfig, BucketState, Rate, SharedTokenBucket, Uncapped};
 use crate::clock::{Clock, MonotonicClock};
 use crate::error::PgLimitError;
+use crate::lease_core::{LocalTokens, RefillFlag};
 use crate::sync::{Arc, AtomicU64, Ordering};
 
 /// Where the database statements of a leased limiter take their time from.
@@ -248,20 +256,19 @@ struct LeaseCtl {
     not_before: Option<Duration>,
     /// The size of the last lease asked for.
     last_ask: u64,
-    /// Evicted or shut down: the state is dead, its tokens were given back.
-    dead: bool,
 }
 
 #[derive(Debug)]
-struct KeyState<C: Clock> {
-    /// Local tokens: filled only by leases (`refund`), never replenished by time.
-    bucket: SharedTokenBucket<Uncapped, C>,
+struct KeyState {
+    /// Local tokens: filled only by leases, never by time; closed (and emptied) when the key
+    /// leaves the map, before anything else can lease for the key.
+    tokens: LocalTokens,
     /// Nanoseconds on the limiter's clock of the last call (updated at most every ms).
     last_used: AtomicU64,
     /// Refill when fewer tokens than this are left: half the current lease size.
     low: AtomicU64,
-    /// 1 while a background refill is spawned or running.
-    refilling: AtomicU64,
+    /// Held while a background refill is spawned or running.
+    refilling: RefillFlag,
     /// Trickling: nanoseconds on the limiter's clock before which no lease will be asked
     /// for (0: not trickling). A copy of `LeaseCtl::not_before` that calls can read without
     /// the mutex, to refuse at once.
@@ -269,7 +276,7 @@ struct KeyState<C: Clock> {
     ctl: tokio::sync::Mutex<LeaseCtl>,
 }
 
-impl<C: Clock> KeyState<C> {
+impl KeyState {
     /// Records a use at `now`; writes at most once per millisecond so that a hot key's
     /// callers do not all write one cache line.
     fn touch(&self, now: Duration) {
@@ -280,29 +287,26 @@ impl<C: Clock> KeyState<C> {
         }
     }
 
-    /// Takes `n` local tokens or none.
+    /// Takes `n` local tokens or none; a failure moves nothing.
     fn try_take(&self, n: u64) -> bool {
-        let tail = self.bucket.grab(n);
-        if self.bucket.deficiency(tail) == 0 {
-            return true;
+        let ok = self.tokens.try_take(n);
+        #[cfg(test)]
+        if !ok {
+            tests::after_failed_take(self);
         }
-        // Not all there: give the claim back (head moves by what tail moved).
-        self.bucket.refund(n);
-        false
+        ok
     }
 
-    /// Takes every local token; returns how many.
-    fn drain(&self) -> u64 {
-        let avail = self.bucket.available();
-        if avail == 0 {
-            return 0;
-        }
-        let tail = self.bucket.grab(avail);
-        let short = self.bucket.deficiency(tail);
-        if short > 0 {
-            self.bucket.refund(short);
-        }
-        avail - short
+    /// Room for a lease: `max_lease − held`. Exact, as no failing take is ever counted in
+    /// `held` (defect: "a failing fast-path `try_take` makes a later refund vanish").
+    fn room(&self, max_lease: u64) -> u64 {
+        max_lease.saturating_sub(self.tokens.held())
+    }
+
+    /// Whether a refill is due: open and below the low-water line.
+    fn low(&self) -> bool {
+        // Relaxed: an estimate (see the field).
+        !self.tokens.is_closed() && self.tokens.held() < self.low.load(Ordering::Relaxed)
     }
 }
 
@@ -313,13 +317,13 @@ struct Inner<C: Clock> {
     cap_micro: i64,
     clock: C,
     db_time: DbTime,
-    keys: RwLock<HashMap<String, Arc<KeyState<C>>>>,
+    keys: RwLock<HashMap<String, Arc<KeyState>>>,
     /// Serialises inserts that may evict, so two of them do not both evict.
     admit: Mutex<()>,
     counters: Counters,
 }
 
-/// Leased mode: a local bucket per hot key, filled by leasing batches from the key's row.
+/// Leased mode: a local token count per hot key, filled by leasing batches from the key's row.
 /// See the [module docs](self) for the algorithm and the bound it keeps.
 ///
 /// Uses the same table and statement as [`PgKeyedLimiter`], so strict-mode callers and
@@ -392,9 +396,6 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> PgLeasedLimiter<C> {
     /// Takes `n` tokens of `key`, all or none. `Ok(false)`: refused (the global bucket is
     /// short). Errors: bad input; [`PgLimitError::Connection`] or a server error when the
     /// local tokens ran out and no lease could be taken.
-    ///
-    /// Under contention a call may be refused while tokens are transiently claimed by another
-    /// call that is itself failing; it then takes the slow path, which tries again.
     pub async fn try_acquire(&self, key: &str, n: u64) -> Result<bool, PgLimitError> {
         self.check_request(key, n)?;
         // Fast path: under the map's read lock, no reference count touched.
@@ -439,7 +440,7 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> PgLeasedLimiter<C> {
     /// Tokens of `key` held locally now.
     pub fn local_tokens(&self, key: &str) -> u64 {
         let keys = self.inner.keys.read().expect("key map");
-        keys.get(key).map_or(0, |k| k.bucket.available())
+        keys.get(key).map_or(0, |k| k.tokens.held())
     }
 
     /// Keys held locally now.
@@ -451,7 +452,7 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> PgLeasedLimiter<C> {
     pub async fn evict_idle(&self) -> Result<usize, PgLimitError> {
         let now = self.inner.clock.now().as_nanos() as u64;
         let idle = self.inner.opts.idle_timeout.as_nanos() as u64;
-        let doomed: Vec<(String, Arc<KeyState<C>>)> = {
+        let doomed: Vec<(String, u64)> = {
             let mut keys = self.inner.keys.write().expect("key map");
             let names: Vec<String> = keys
                 .iter()
@@ -461,7 +462,7 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> PgLeasedLimiter<C> {
                 .collect();
             names
                 .into_iter()
-                .filter_map(|n| keys.remove(&n).map(|k| (n, k)))
+                .filter_map(|n| keys.remove(&n).map(|k| (n, k.tokens.close())))
                 .collect()
         };
         let count = doomed.len();
@@ -471,8 +472,8 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> PgLeasedLimiter<C> {
             .evictions
             .fetch_add(count as u64, Ordering::Relaxed);
         let mut first_err = None;
-        for (name, ks) in doomed {
-            if let Err(e) = self.inner.retire(&name, &ks).await {
+        for (name, n) in doomed {
+            if let Err(e) = self.inner.give_back(&name, n).await {
                 first_err.get_or_insert(e);
             }
         }
@@ -485,12 +486,23 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> PgLeasedLimiter<C> {
     /// Gives every local token back to the database and forgets all keys. Returns the
     /// tokens given back. The limiter stays usable (keys lease again on the next call).
     pub async fn shutdown(&self) -> Result<u64, PgLimitError> {
-        let all: Vec<(String, Arc<KeyState<C>>)> =
-            self.inner.keys.write().expect("key map").drain().collect();
+        // Closed while the map's write lock is held: no call can take from them or lease
+        // for them any more, and a lease in flight gives its tokens back itself.
+        let all: Vec<(String, u64)> = self
+            .inner
+            .keys
+            .write()
+            .expect("key map")
+            .drain()
+            .map(|(name, k)| {
+                let n = k.tokens.close();
+                (name, n)
+            })
+            .collect();
         let mut total = 0;
         let mut first_err = None;
-        for (name, ks) in all {
-            match self.inner.retire(&name, &ks).await {
+        for (name, n) in all {
+            match self.inner.give_back(&name, n).await {
                 Ok(n) => total += n,
                 Err(e) => {
                     first_err.get_or_insert(e);
@@ -513,7 +525,7 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> PgLeasedLimiter<C> {
             .read()
             .expect("key map")
             .values()
-            .map(|k| k.bucket.available())
+            .map(|k| k.tokens.held())
             .sum();
         // Relaxed: statistics.
         let leased = c.leased.load(Ordering::Relaxed);
@@ -542,7 +554,7 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> PgLeasedLimiter<C> {
 pub struct LeasedKey<C: Clock + Clone + 'static = MonotonicClock> {
     inner: Arc<Inner<C>>,
     key: String,
-    state: Arc<KeyState<C>>,
+    state: Arc<KeyState>,
 }
 
 impl<C: Clock + Clone + std::fmt::Debug + 'static> LeasedKey<C> {
@@ -578,7 +590,7 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> Inner<C> {
     /// Takes `n` local tokens if they are there, and starts a background lease when few are
     /// left. No round trip, no lock. `Some(false)`: refused at once (trickling, nothing
     /// local); `None`: go to the slow path.
-    fn fast_take(self: &Arc<Self>, key: &str, ks: &Arc<KeyState<C>>, n: u64) -> Option<bool> {
+    fn fast_take(self: &Arc<Self>, key: &str, ks: &Arc<KeyState>, n: u64) -> Option<bool> {
         let now = self.clock.now();
         ks.touch(now);
         if !ks.try_take(n) {
@@ -586,8 +598,7 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> Inner<C> {
             let until = ks.trickle_until.load(Ordering::Relaxed);
             return ((now.as_nanos() as u64) < until).then_some(false);
         }
-        // Relaxed: an estimate.
-        if ks.bucket.available() < ks.low.load(Ordering::Relaxed) {
+        if ks.low() {
             self.refill_in_background(key, ks);
         }
         Some(true)
@@ -599,16 +610,16 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> Inner<C> {
     async fn slow_take(
         self: &Arc<Self>,
         key: &str,
-        mut ks: Arc<KeyState<C>>,
+        mut ks: Arc<KeyState>,
         n: u64,
-    ) -> Result<(bool, Arc<KeyState<C>>), PgLimitError> {
+    ) -> Result<(bool, Arc<KeyState>), PgLimitError> {
         for _ in 0..4 {
             ks.touch(self.clock.now());
             if ks.try_take(n) {
                 return Ok((true, ks));
             }
             let mut ctl = ks.ctl.lock().await;
-            if ctl.dead {
+            if ks.tokens.is_closed() {
                 drop(ctl);
                 ks = self.key_state(key).await; // evicted meanwhile: look the key up again
                 continue;
@@ -618,6 +629,9 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> Inner<C> {
             }
             let leased = self.lease(key, &ks, &mut ctl, n, true).await?;
             drop(ctl);
+            if ks.tokens.is_closed() {
+                continue; // evicted during the lease (which gave its tokens back): look up again
+            }
             let ok = leased > 0 && ks.try_take(n);
             if !ok {
                 // Relaxed: statistics.
@@ -643,7 +657,7 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> Inner<C> {
     }
 
     /// The key's state, created (evicting if full) when missing.
-    async fn key_state(&self, key: &str) -> Arc<KeyState<C>> {
+    async fn key_state(&self, key: &str) -> Arc<KeyState> {
         if let Some(k) = self.keys.read().expect("key map").get(key) {
             return k.clone();
         }
@@ -666,7 +680,7 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> Inner<C> {
                     .map(|(n, _)| n.clone())
                     .collect();
                 for n in idle_keys {
-                    evicted.extend(keys.remove(&n).map(|k| (n, k)));
+                    evicted.extend(keys.remove(&n).map(|k| (n, k.tokens.close())));
                 }
                 if keys.len() >= self.opts.max_keys {
                     let lru = keys
@@ -675,7 +689,7 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> Inner<C> {
                         .min_by_key(|(_, k)| k.last_used.load(Ordering::Relaxed))
                         .map(|(n, _)| n.clone())
                         .expect("the map is full, so not empty");
-                    evicted.extend(keys.remove(&lru).map(|k| (lru, k)));
+                    evicted.extend(keys.remove(&lru).map(|k| (lru, k.tokens.close())));
                 }
             }
             let ks = Arc::new(self.new_key_state());
@@ -687,28 +701,26 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> Inner<C> {
         self.counters
             .evictions
             .fetch_add(evicted.len() as u64, Ordering::Relaxed);
-        for (name, old) in evicted {
-            if let Err(e) = self.retire(&name, &old).await {
+        for (name, n) in evicted {
+            if let Err(e) = self.give_back(&name, n).await {
                 tracing::warn!(key = %name, error = %e, "giving back an evicted key's tokens failed");
             }
         }
         ks
     }
 
-    fn new_key_state(&self) -> KeyState<C> {
-        let cfg = BucketConfig::new(Rate::per_second(self.opts.rate as u64), self.opts.max_lease);
-        let empty = BucketState {
-            tail: 0,
-            head: 0,
-            ceil: None,
-        };
-        let now = self.clock.now();
+    fn new_key_state(&self) -> KeyState {
+        KeyState::new(self.clock.now())
+    }
+}
+
+impl KeyState {
+    fn new(now: Duration) -> KeyState {
         KeyState {
-            bucket: SharedTokenBucket::from_state(cfg, self.clock.clone(), empty)
-                .expect("options validated: rate and max_lease are in range"),
+            tokens: LocalTokens::new(),
             last_used: AtomicU64::new(now.as_nanos() as u64),
             low: AtomicU64::new(0),
-            refilling: AtomicU64::new(0),
+            refilling: RefillFlag::new(),
             trickle_until: AtomicU64::new(0),
             ctl: tokio::sync::Mutex::new(LeaseCtl {
                 rate_est: 0.0,
@@ -717,17 +729,18 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> Inner<C> {
                 consumed_then: 0,
                 not_before: None,
                 last_ask: 0,
-                dead: false,
             }),
         }
     }
+}
 
+impl<C: Clock + Clone + std::fmt::Debug + 'static> Inner<C> {
     /// Takes a lease for `key` (the caller holds `ctl`); returns the tokens leased. `dry`:
     /// a caller found no local token, so the last lease was too small.
     async fn lease(
         &self,
         key: &str,
-        ks: &KeyState<C>,
+        ks: &KeyState,
         ctl: &mut LeaseCtl,
         at_least: u64,
         dry: bool,
@@ -745,7 +758,7 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> Inner<C> {
         let elapsed = now
             .saturating_sub(ctl.sampled_at)
             .max(Duration::from_millis(1));
-        let consumed = ctl.leased_total - ks.bucket.available().min(ctl.leased_total);
+        let consumed = ctl.leased_total - ks.tokens.held().min(ctl.leased_total);
         if consumed > ctl.consumed_then || now >= ctl.sampled_at + Duration::from_millis(1) {
             let rate = (consumed - ctl.consumed_then) as f64 / elapsed.as_secs_f64();
             ctl.rate_est = if ctl.rate_est == 0.0 {
@@ -756,8 +769,7 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> Inner<C> {
             ctl.sampled_at = now;
             ctl.consumed_then = consumed;
         }
-        let held = ks.bucket.available();
-        let room = self.opts.max_lease.saturating_sub(held);
+        let room = ks.room(self.opts.max_lease);
         let mut want = self.lease_size(ctl).max(at_least);
         if dry && ctl.not_before.is_none() {
             // Running dry while the global bucket is not short: the consumption estimate is
@@ -787,14 +799,16 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> Inner<C> {
             .await?;
         let got = g.granted.max(0) as u64;
         if got > 0 {
-            let fitted = ks.bucket.refund(got);
-            debug_assert_eq!(
-                fitted, got,
-                "a lease never overfills: ask <= max_lease - held"
-            );
-            ctl.leased_total += got;
             // Relaxed: statistics.
             self.counters.leased.fetch_add(got, Ordering::Relaxed);
+            // Only this lease adds (the caller holds `ctl`) and takes only lower `held`, so
+            // `held + got ≤ max_lease`.
+            if let Err(back) = ks.tokens.deposit(got) {
+                // The key was evicted meanwhile: these tokens were never usable here.
+                self.give_back(key, back).await?;
+                return Ok(0);
+            }
+            ctl.leased_total += got;
         }
         if got < ask {
             // Relaxed: statistics.
@@ -821,36 +835,40 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> Inner<C> {
         Ok(got)
     }
 
-    /// Leases for `key` on a background task, unless a lease is already in flight.
-    fn refill_in_background(self: &Arc<Self>, key: &str, ks: &Arc<KeyState<C>>) {
+    /// Leases for `key` on a background task, unless a refill is already running (which
+    /// re-checks after it lets go of the flag, so this call's take is not forgotten).
+    fn refill_in_background(self: &Arc<Self>, key: &str, ks: &Arc<KeyState>) {
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        // Relaxed: the flag only limits spawning to one task; the lease itself is ordered by
-        // the key's mutex.
-        if ks.refilling.swap(1, Ordering::Relaxed) == 1 {
+        if !ks.refilling.claim() {
             return;
         }
         let (me, ks, key) = (self.clone(), ks.clone(), key.to_owned());
         rt.spawn(async move {
-            let mut ctl = ks.ctl.lock().await;
-            // Relaxed: an estimate.
-            if !ctl.dead && ks.bucket.available() < ks.low.load(Ordering::Relaxed) {
-                if let Err(e) = me.lease(&key, &ks, &mut ctl, 1, false).await {
-                    tracing::debug!(key = %key, error = %e, "background lease failed");
+            loop {
+                let mut ctl = ks.ctl.lock().await;
+                let mut got = 0;
+                if ks.low() {
+                    match me.lease(&key, &ks, &mut ctl, 1, false).await {
+                        Ok(n) => got = n,
+                        Err(e) => {
+                            tracing::debug!(key = %key, error = %e, "background lease failed")
+                        }
+                    }
+                }
+                drop(ctl);
+                // A refill that got nothing (trickling, an error, closed) stops: the next take
+                // that finds the key low claims the flag again.
+                if !ks.refilling.release(|| got > 0 && ks.low()) {
+                    break;
                 }
             }
-            drop(ctl);
-            // Relaxed: see above.
-            ks.refilling.store(0, Ordering::Relaxed);
         });
     }
 
-    /// Marks `ks` dead and gives its tokens back; returns how many.
-    async fn retire(&self, key: &str, ks: &KeyState<C>) -> Result<u64, PgLimitError> {
-        let mut ctl = ks.ctl.lock().await;
-        ctl.dead = true;
-        let n = ks.drain();
+    /// Gives `n` tokens of `key` back to the database; returns `n`.
+    async fn give_back(&self, key: &str, n: u64) -> Result<u64, PgLimitError> {
         if n == 0 {
             return Ok(0);
         }
@@ -860,5 +878,52 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> Inner<C> {
         // Relaxed: statistics.
         self.counters.returned.fetch_add(n, Ordering::Relaxed);
         Ok(n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::RefCell;
+
+    use super::*;
+
+    type Hook = Box<dyn FnMut(&KeyState)>;
+
+    thread_local! {
+        static AFTER_FAILED_TAKE: RefCell<Option<Hook>> = RefCell::new(None);
+    }
+
+    /// Runs the test's hook, once, where a failing take has decided to fail: on the old local
+    /// bucket, between its claim and the refund of that claim.
+    pub(super) fn after_failed_take(ks: &KeyState) {
+        if let Some(mut hook) = AFTER_FAILED_TAKE.with(|h| h.borrow_mut().take()) {
+            hook(ks);
+        }
+    }
+
+    /// Defect: "a failing fast-path `try_take` in leased mode makes a later refund vanish".
+    /// The old local bucket counted a failing take's claim until it refunded it, so a lease
+    /// landing in between saw `held = 0`, asked for `max_lease`, and the failing take's
+    /// refund then overflowed the bucket: the tokens held before were lost.
+    #[test]
+    fn failing_fast_path_take_makes_no_refund_vanish() {
+        const MAX_LEASE: u64 = 10;
+        let ks = KeyState::new(Duration::ZERO);
+        assert!(ks.tokens.deposit(3).is_ok());
+        let leased = std::rc::Rc::new(std::cell::Cell::new(0));
+        let l = leased.clone();
+        // A lease lands while the take is failing: it asks for the room and deposits it.
+        AFTER_FAILED_TAKE.with(|h| {
+            *h.borrow_mut() = Some(Box::new(move |ks: &KeyState| {
+                let room = ks.room(MAX_LEASE);
+                assert!(ks.tokens.deposit(room).is_ok());
+                l.set(room);
+            }))
+        });
+        assert!(!ks.try_take(5));
+        assert_eq!(leased.get(), 7, "the lease saw every token held");
+        assert_eq!(ks.tokens.held(), 3 + leased.get(), "a token vanished");
+        assert!(ks.try_take(10));
+        assert_eq!(ks.tokens.held(), 0);
     }
 }
