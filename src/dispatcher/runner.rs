@@ -291,6 +291,23 @@ async fn run(
                 }
                 timer.disarm(index);
             }
+            Next::WaitDurable(tail) => {
+                let gate = shared
+                    .gate
+                    .as_deref()
+                    .expect("only a gated shard waits for the mark");
+                tokio::select! {
+                    biased;
+                    msg = rx.recv(), if open => match msg {
+                        Some(msg) => handle(msg, &mut closing),
+                        None => {
+                            open = false;
+                            closing = Some(ShutdownMode::Cancel);
+                        }
+                    },
+                    _ = gate.wait_durable(tail) => {}
+                }
+            }
             Next::WakeAfter(d) => {
                 tokio::select! {
                     biased;
