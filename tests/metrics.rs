@@ -6,9 +6,12 @@ use std::sync::{Mutex, OnceLock};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use metrics_util::MetricKind;
 
-use iothrottle::dispatcher::{ClassConfig, Dispatcher, IoRequest};
-use iothrottle::metrics::{export_throttle, names, ThrottleCounters};
-use iothrottle::Rate;
+use iothrottle::dispatcher::{ClassConfig, DiskModel, Dispatcher, IoRequest};
+use iothrottle::metrics::{export_throttle, export_throttle_stats, names, ThrottleCounters};
+use iothrottle::{BucketConfig, ManualClock, Rate, Throttle, Uncapped};
+
+/// A fast NVMe drive, stated explicitly (there is no default disk).
+const NVME: DiskModel = DiskModel::new(2_000_000_000, 1_000_000_000, 400_000, 100_000);
 
 /// One global recorder for this test binary (the shards are other threads: a thread-local
 /// recorder would not see them). Snapshots reset the values, so tests run one at a time.
@@ -75,7 +78,10 @@ fn histogram_len(v: Option<&DebugValue>) -> usize {
 #[test]
 fn per_class_counters_match_the_dispatcher_stats() {
     let (snap, _serial) = recorder();
-    let mut b = Dispatcher::builder().shards(2).pin_threads(false);
+    let mut b = Dispatcher::builder()
+        .disk(NVME)
+        .shards(2)
+        .pin_threads(false);
     let fg = b.add_class(ClassConfig::new("m_fg", 800)).unwrap();
     let bg = b.add_class(ClassConfig::new("m_bg", 200)).unwrap();
     let d = b.build().unwrap();
@@ -123,6 +129,17 @@ fn per_class_counters_match_the_dispatcher_stats() {
             histogram_len(find(&s, MetricKind::Histogram, names::CLASS_QUEUE_WAIT, l)),
             20
         );
+        // Every dispatched request's future ended: one service-time sample each.
+        assert_eq!(c.completed, 20);
+        assert_eq!(
+            histogram_len(find(
+                &s,
+                MetricKind::Histogram,
+                names::CLASS_SERVICE_TIME,
+                l
+            )),
+            20
+        );
     }
 }
 
@@ -130,6 +147,7 @@ fn per_class_counters_match_the_dispatcher_stats() {
 fn cancelled_requests_are_counted_and_leave_the_queue_gauge() {
     let (snap, _serial) = recorder();
     let mut b = Dispatcher::builder()
+        .disk(NVME)
         .shards(1)
         .rate(Rate::per_second(1_000))
         .limit(100)
@@ -198,6 +216,60 @@ fn throttle_counters_are_exported_as_absolute_values() {
     assert_eq!(
         counter(find(&s, MetricKind::Counter, names::THROTTLE_CANCELLED, l)),
         3
+    );
+    assert_eq!(
+        gauge(find(&s, MetricKind::Gauge, names::THROTTLE_WAITING, l)),
+        0.0
+    );
+}
+
+#[test]
+fn export_throttle_stats_publishes_the_throttles_own_counters() {
+    let (snap, _serial) = recorder();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    let clock = ManualClock::new();
+    let th = Throttle::<Uncapped, _>::with_clock(
+        BucketConfig::new(Rate::per_second(1), 100),
+        clock.clone(),
+    )
+    .unwrap();
+    clock.advance(std::time::Duration::from_secs(1_000));
+    th.bucket().replenish();
+    let l = ("throttle", "m_stats");
+    rt.block_on(async {
+        let permit = th.acquire(30).await.unwrap();
+        std::mem::forget(permit);
+        // A claim that cannot be met on the frozen clock: waiting after its first poll.
+        let mut waiter = Box::pin(th.acquire(100));
+        tokio::select! {
+            biased;
+            _ = &mut waiter => panic!("100 tokens on a frozen clock after 30 were taken"),
+            _ = async {} => {}
+        }
+        export_throttle_stats("m_stats", &th);
+        let s = take(snap);
+        let stats = th.stats();
+        assert_eq!(stats.waiting, 1);
+        assert_eq!(
+            counter(find(&s, MetricKind::Counter, names::THROTTLE_GRANTED, l)),
+            stats.granted_tokens
+        );
+        assert_eq!(stats.granted_tokens, 30);
+        assert_eq!(
+            gauge(find(&s, MetricKind::Gauge, names::THROTTLE_WAITING, l)),
+            1.0
+        );
+        drop(waiter);
+    });
+    export_throttle_stats("m_stats", &th);
+    let s = take(snap);
+    assert_eq!(th.stats().cancelled, 1);
+    assert_eq!(
+        counter(find(&s, MetricKind::Counter, names::THROTTLE_CANCELLED, l)),
+        1
     );
     assert_eq!(
         gauge(find(&s, MetricKind::Gauge, names::THROTTLE_WAITING, l)),

@@ -137,6 +137,11 @@ impl Drop for Completion {
                 n.notify_one();
             }
         }
+        #[cfg(feature = "metrics")]
+        crate::metrics::class_completed(
+            shared.classes.get(self.class).config.name(),
+            shared.clock.now().saturating_sub(self.times.1),
+        );
         if let Some(core) = self.inflight.core.upgrade() {
             // Completions run in the shard's tasks, never inside the loop's own borrow; should
             // one ever overlap, the sample is skipped rather than panicking.
