@@ -8,7 +8,7 @@ use metrics_util::MetricKind;
 
 use iothrottle::dispatcher::{ClassConfig, DiskModel, Dispatcher, IoRequest};
 use iothrottle::metrics::{export_throttle, export_throttle_stats, names, ThrottleCounters};
-use iothrottle::{BucketConfig, ManualClock, Rate, Throttle, Uncapped};
+use iothrottle::{BucketConfig, ManualClock, Rate, Throttle};
 
 /// A fast NVMe drive, stated explicitly (there is no default disk).
 const NVME: DiskModel = DiskModel::new(2_000_000_000, 1_000_000_000, 400_000, 100_000);
@@ -231,11 +231,8 @@ fn export_throttle_stats_publishes_the_throttles_own_counters() {
         .build()
         .unwrap();
     let clock = ManualClock::new();
-    let th = Throttle::<Uncapped, _>::with_clock(
-        BucketConfig::new(Rate::per_second(1), 100),
-        clock.clone(),
-    )
-    .unwrap();
+    let th =
+        Throttle::with_clock(BucketConfig::new(Rate::per_second(1), 100), clock.clone()).unwrap();
     clock.advance(std::time::Duration::from_secs(1_000));
     th.bucket().replenish();
     let l = ("throttle", "m_stats");
