@@ -228,3 +228,44 @@ async fn dispatcher_checkpoint_restart_restores_the_rovers_without_a_free_burst(
     );
     d.shutdown_async().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dispatcher_strict_checkpoint_shutdown_now_does_not_wait_for_a_stalled_store() {
+    let cb =
+        Arc::new(CheckpointedBucket::new(full::<Uncapped>(), Durability::strict(100)).unwrap());
+    let tokens0 = cb.bucket().snapshot().tokens();
+    let store = Held::new();
+    let cp = Checkpointer::start(cb.clone(), store.clone(), never()).unwrap();
+    cp.save_now().await.unwrap();
+    store.hold(true);
+    let d = dispatcher(&cb);
+    let c = d.class_id("c").unwrap();
+    let handles: Vec<_> = (0..40)
+        .map(|_| d.submit(c, IoRequest::tokens(10), async {}).unwrap())
+        .collect();
+    until(|| cb.stats().grabs_past_mark >= 1 && store.pending() >= 1).await;
+    // The store is still held: the shards stop anyway, failing what is not dispatched.
+    let d = tokio::task::spawn_blocking(move || {
+        d.shutdown_now();
+        d
+    })
+    .await
+    .unwrap();
+    let mut failed = 0;
+    for h in handles {
+        if h.await.is_err() {
+            failed += 1;
+        }
+    }
+    assert!(failed > 0);
+    let stats = d.stats().await;
+    let spent = tokens0 - cb.bucket().snapshot().tokens();
+    assert_eq!(
+        spent as u64,
+        stats.tokens(),
+        "the undispatched reservations went back"
+    );
+    assert!(stats.tokens() <= 100, "nothing past the durable mark");
+    store.hold(false);
+    cp.shutdown().await.unwrap();
+}
