@@ -10,9 +10,6 @@ use iothrottle::dispatcher::{ClassConfig, DiskModel, Dispatcher, IoRequest};
 use iothrottle::metrics::{export_throttle, export_throttle_stats, names, ThrottleCounters};
 use iothrottle::{BucketConfig, ManualClock, Rate, Throttle};
 
-/// A fast NVMe drive, stated explicitly (there is no default disk).
-const NVME: DiskModel = DiskModel::new(2_000_000_000, 1_000_000_000, 400_000, 100_000);
-
 /// One global recorder for this test binary (the shards are other threads: a thread-local
 /// recorder would not see them). Snapshots reset the values, so tests run one at a time.
 fn recorder() -> (&'static Snapshotter, std::sync::MutexGuard<'static, ()>) {
@@ -79,8 +76,9 @@ fn histogram_len(v: Option<&DebugValue>) -> usize {
 fn per_class_counters_match_the_dispatcher_stats() {
     let (snap, _serial) = recorder();
     let mut b = Dispatcher::builder()
-        .disk(NVME)
         .shards(2)
+        .disk(DiskModel::symmetric(1 << 30, 100_000))
+        .capped(false)
         .pin_threads(false);
     let fg = b.add_class(ClassConfig::new("m_fg", 800)).unwrap();
     let bg = b.add_class(ClassConfig::new("m_bg", 200)).unwrap();
@@ -147,8 +145,9 @@ fn per_class_counters_match_the_dispatcher_stats() {
 fn cancelled_requests_are_counted_and_leave_the_queue_gauge() {
     let (snap, _serial) = recorder();
     let mut b = Dispatcher::builder()
-        .disk(NVME)
         .shards(1)
+        .disk(DiskModel::symmetric(1 << 30, 100_000))
+        .capped(false)
         .rate(Rate::per_second(1_000))
         .limit(100)
         .pin_threads(false);
