@@ -7,8 +7,8 @@ use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use metrics_util::MetricKind;
 
 use iothrottle::dispatcher::{ClassConfig, DiskModel, Dispatcher, IoRequest};
-use iothrottle::metrics::{export_throttle, export_throttle_stats, names, ThrottleCounters};
-use iothrottle::{BucketConfig, ManualClock, Rate, Throttle};
+use iothrottle::metrics::{export_throttle, names, ThrottleCounters};
+use iothrottle::Rate;
 
 /// One global recorder for this test binary (the shards are other threads: a thread-local
 /// recorder would not see them). Snapshots reset the values, so tests run one at a time.
@@ -224,6 +224,9 @@ fn throttle_counters_are_exported_as_absolute_values() {
 
 #[test]
 fn export_throttle_stats_publishes_the_throttles_own_counters() {
+    use iothrottle::metrics::export_throttle_stats;
+    use iothrottle::{BucketConfig, ManualClock, Throttle};
+
     let (snap, _serial) = recorder();
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_time()
