@@ -14,7 +14,7 @@
 //! | `iothrottle_class_cancelled_total` | counter | requests dropped before dispatch (tokens went back) |
 //! | `iothrottle_class_queue_length` | gauge | requests submitted and not yet dispatched, cancelled or failed |
 //! | `iothrottle_class_queue_wait_seconds` | histogram | submission to dispatch |
-//! | `iothrottle_class_service_time_seconds` | histogram | dispatch to completion of the request's future (registered name; not recorded yet: the dispatcher does not time completions) |
+//! | `iothrottle_class_service_time_seconds` | histogram | dispatch to completion of the request's future (recorded when the future ends, on the dispatcher's clock) |
 //!
 //! # Per throttle (label `throttle` = a name of your choice)
 //!
@@ -24,8 +24,9 @@
 //! | `iothrottle_throttle_waiting` | gauge | claims waiting now |
 //! | `iothrottle_throttle_cancelled_total` | counter | claims given back (cancelled, closed) |
 //!
-//! [`export_throttle`] publishes a snapshot of a throttle's counters; call it periodically (or
-//! from your exporter's scrape hook).
+//! [`export_throttle_stats`] publishes a throttle's [`stats`](crate::Throttle::stats) (and
+//! [`export_throttle`] any snapshot of such counters); call it periodically (or from your
+//! exporter's scrape hook).
 //!
 //! # Cost
 //!
@@ -136,9 +137,7 @@ pub(crate) fn class_unqueued(class: &str, cancelled: bool) {
     });
 }
 
-/// A dispatched request of `class` finished `service` after its dispatch. To be called where
-/// the dispatcher times completions (not wired yet).
-#[allow(dead_code)]
+/// A dispatched request of `class` finished `service` after its dispatch.
 pub(crate) fn class_completed(class: &str, service: Duration) {
     with_class(class, |h| h.service.record(service.as_secs_f64()));
 }
@@ -161,4 +160,24 @@ pub fn export_throttle(name: &str, counters: ThrottleCounters) {
     counter!(names::THROTTLE_GRANTED, &label()).absolute(counters.granted);
     gauge!(names::THROTTLE_WAITING, &label()).set(counters.waiting as f64);
     counter!(names::THROTTLE_CANCELLED, &label()).absolute(counters.cancelled);
+}
+
+/// Publishes `throttle`'s [`stats`](crate::Throttle::stats) under the label `throttle = name`,
+/// as [`export_throttle`] does: granted tokens and cancelled claims as absolute counters, the
+/// claims waiting now as a gauge. Reads relaxed counters: nothing on the throttle's fast path.
+#[cfg(feature = "rt")]
+#[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
+pub fn export_throttle_stats<M: crate::Mode, C: crate::Clock>(
+    name: &str,
+    throttle: &crate::Throttle<M, C>,
+) {
+    let stats = throttle.stats();
+    export_throttle(
+        name,
+        ThrottleCounters {
+            granted: stats.granted_tokens,
+            waiting: stats.waiting,
+            cancelled: stats.cancelled,
+        },
+    );
 }

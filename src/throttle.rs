@@ -62,12 +62,12 @@ use crate::sync::{fence, AtomicU64, Mutex, Ordering};
 ///
 /// ```
 /// use iothrottle::throttle::Throttle;
-/// use iothrottle::{BucketConfig, Rate, TokioClock, Uncapped};
+/// use iothrottle::{BucketConfig, Rate, TokioClock};
 ///
 /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// let cfg = BucketConfig::new(Rate::per_second(1_000), 100);
-/// let throttle = Throttle::<Uncapped, _>::with_clock(cfg, TokioClock::new())?;
+/// let throttle = Throttle::with_clock(cfg, TokioClock::new())?;
 /// let start = tokio::time::Instant::now();
 /// let _first = throttle.acquire(100).await?; // the full bucket: at once
 /// let _second = throttle.acquire(50).await?; // 50 more tokens: 50 ms
@@ -211,6 +211,24 @@ impl Throttle<Uncapped, MonotonicClock> {
     /// `Throttle::new(config)`, no type annotation needed. For a capped bucket see
     /// [`new_capped`](Throttle::new_capped); for another clock,
     /// [`with_clock`](Throttle::with_clock).
+    ///
+    /// The common constructors name their bucket's mode, so the types are inferred (no
+    /// turbofish):
+    ///
+    /// ```
+    /// use iothrottle::{BucketConfig, ManualClock, Rate, Throttle};
+    ///
+    /// let cfg = BucketConfig::new(Rate::per_second(1_000), 100);
+    /// let plain = Throttle::new(cfg)?;
+    /// let manual = Throttle::with_clock(cfg, ManualClock::new())?;
+    /// let capped = Throttle::new_capped(cfg)?;
+    /// let capped_manual = Throttle::with_clock_capped(cfg, ManualClock::new())?;
+    /// let is_capped = |state: iothrottle::BucketState| state.ceil.is_some();
+    /// assert!(!is_capped(plain.bucket().snapshot()) && !is_capped(manual.bucket().snapshot()));
+    /// assert!(is_capped(capped.bucket().snapshot()));
+    /// assert!(is_capped(capped_manual.bucket().snapshot()));
+    /// # Ok::<(), iothrottle::ConfigError>(())
+    /// ```
     pub fn new(config: BucketConfig) -> Result<Self, ConfigError> {
         Ok(Self::from_bucket(Arc::new(SharedTokenBucket::new(config)?)))
     }
@@ -224,12 +242,32 @@ impl Throttle<Capped, MonotonicClock> {
     }
 }
 
-impl<M: Mode, C: Clock> Throttle<M, C> {
-    /// A throttle over a new bucket reading time from `clock`. Use [`TokioClock`] with tokio's
-    /// paused time in tests: the waiters sleep on tokio timers.
+impl<C: Clock> Throttle<Uncapped, C> {
+    /// A throttle over a new [`Uncapped`] bucket reading time from `clock`:
+    /// `Throttle::with_clock(config, clock)`, no type annotation needed. Use [`TokioClock`]
+    /// with tokio's paused time in tests: the waiters sleep on tokio timers. Capped:
+    /// [`with_clock_capped`](Throttle::with_clock_capped); generic over the mode:
+    /// [`with_mode_and_clock`](Throttle::with_mode_and_clock).
     ///
     /// [`TokioClock`]: crate::TokioClock
     pub fn with_clock(config: BucketConfig, clock: C) -> Result<Self, ConfigError> {
+        Self::with_mode_and_clock(config, clock)
+    }
+}
+
+impl<C: Clock> Throttle<Capped, C> {
+    /// A throttle over a new [`Capped`] bucket reading time from `clock`:
+    /// `Throttle::with_clock_capped(config, clock)`.
+    pub fn with_clock_capped(config: BucketConfig, clock: C) -> Result<Self, ConfigError> {
+        Self::with_mode_and_clock(config, clock)
+    }
+}
+
+impl<M: Mode, C: Clock> Throttle<M, C> {
+    /// A throttle over a new bucket of mode `M` reading time from `clock`, for code generic
+    /// over the mode (`Throttle::<M, _>::with_mode_and_clock`). The waiters' timers assume
+    /// that `clock` runs with tokio's time.
+    pub fn with_mode_and_clock(config: BucketConfig, clock: C) -> Result<Self, ConfigError> {
         Ok(Self::from_bucket(Arc::new(SharedTokenBucket::with_clock(
             config, clock,
         )?)))

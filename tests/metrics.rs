@@ -127,6 +127,17 @@ fn per_class_counters_match_the_dispatcher_stats() {
             histogram_len(find(&s, MetricKind::Histogram, names::CLASS_QUEUE_WAIT, l)),
             20
         );
+        // Every dispatched request's future ended: one service-time sample each.
+        assert_eq!(c.completed, 20);
+        assert_eq!(
+            histogram_len(find(
+                &s,
+                MetricKind::Histogram,
+                names::CLASS_SERVICE_TIME,
+                l
+            )),
+            20
+        );
     }
 }
 
@@ -204,6 +215,60 @@ fn throttle_counters_are_exported_as_absolute_values() {
     assert_eq!(
         counter(find(&s, MetricKind::Counter, names::THROTTLE_CANCELLED, l)),
         3
+    );
+    assert_eq!(
+        gauge(find(&s, MetricKind::Gauge, names::THROTTLE_WAITING, l)),
+        0.0
+    );
+}
+
+#[test]
+fn export_throttle_stats_publishes_the_throttles_own_counters() {
+    use iothrottle::metrics::export_throttle_stats;
+    use iothrottle::{BucketConfig, ManualClock, Throttle};
+
+    let (snap, _serial) = recorder();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    let clock = ManualClock::new();
+    let th =
+        Throttle::with_clock(BucketConfig::new(Rate::per_second(1), 100), clock.clone()).unwrap();
+    clock.advance(std::time::Duration::from_secs(1_000));
+    th.bucket().replenish();
+    let l = ("throttle", "m_stats");
+    rt.block_on(async {
+        let permit = th.acquire(30).await.unwrap();
+        std::mem::forget(permit);
+        // A claim that cannot be met on the frozen clock: waiting after its first poll.
+        let mut waiter = Box::pin(th.acquire(100));
+        tokio::select! {
+            biased;
+            _ = &mut waiter => panic!("100 tokens on a frozen clock after 30 were taken"),
+            _ = async {} => {}
+        }
+        export_throttle_stats("m_stats", &th);
+        let s = take(snap);
+        let stats = th.stats();
+        assert_eq!(stats.waiting, 1);
+        assert_eq!(
+            counter(find(&s, MetricKind::Counter, names::THROTTLE_GRANTED, l)),
+            stats.granted_tokens
+        );
+        assert_eq!(stats.granted_tokens, 30);
+        assert_eq!(
+            gauge(find(&s, MetricKind::Gauge, names::THROTTLE_WAITING, l)),
+            1.0
+        );
+        drop(waiter);
+    });
+    export_throttle_stats("m_stats", &th);
+    let s = take(snap);
+    assert_eq!(th.stats().cancelled, 1);
+    assert_eq!(
+        counter(find(&s, MetricKind::Counter, names::THROTTLE_CANCELLED, l)),
+        1
     );
     assert_eq!(
         gauge(find(&s, MetricKind::Gauge, names::THROTTLE_WAITING, l)),

@@ -20,7 +20,7 @@ const MS: Duration = Duration::from_millis(1);
 
 fn throttle<M: Mode>(rate: Rate, limit: u64, threshold: u64) -> Throttle<M, TokioClock> {
     let cfg = BucketConfig::new(rate, limit).with_threshold(threshold);
-    Throttle::with_clock(cfg, TokioClock::new()).unwrap()
+    Throttle::with_mode_and_clock(cfg, TokioClock::new()).unwrap()
 }
 
 /// Empties the (fresh) bucket: the first acquire fills it to the limit and takes it all.

@@ -103,8 +103,9 @@ pub struct CheckpointStats {
 /// mark (one extra load) and wakes the checkpointer when less than half a reservation is left;
 /// `deficiency` stays positive for tokens past the mark until a reservation covers them.
 /// Neither ever waits for I/O. To wait, use a [`Throttle`](crate::Throttle) over it
-/// ([`Throttle::with_checkpoint`](crate::Throttle::with_checkpoint)): its cancel-safe waiting
-/// protocol then also waits, without polling, for the durable mark.
+/// ([`Throttle::with_checkpoint`](crate::Throttle::with_checkpoint)) or a dispatcher built over
+/// it (`DispatcherBuilder::checkpoint`): their cancel-safe waiting protocols then also wait,
+/// without polling, for the durable mark.
 ///
 /// ```
 /// use iothrottle::checkpoint::{CheckpointedBucket, Durability};

@@ -1,19 +1,22 @@
 //! The bucket all shards share, capped or not, behind one type so that the mode can be chosen
 //! at run time (`--capped` in the demo).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::bucket::{Capped, SharedTokenBucket, Uncapped};
 
 use super::ArcClock;
 
-/// The shared bucket, in either mode.
-#[derive(Debug)]
+/// The shared bucket, in either mode. Behind an `Arc` so that a
+/// [`Checkpointer`](crate::checkpoint::Checkpointer) can snapshot the bucket the shards grab
+/// from ([`DispatcherBuilder::checkpoint`](super::DispatcherBuilder::checkpoint)).
+#[derive(Debug, Clone)]
 pub(crate) enum Budget {
     /// Tokens accrue at the rate, up to the limit.
-    Uncapped(SharedTokenBucket<Uncapped, ArcClock>),
+    Uncapped(Arc<SharedTokenBucket<Uncapped, ArcClock>>),
     /// Capped release: completions ([`release`](Self::release)) also bound what accrues.
-    Capped(SharedTokenBucket<Capped, ArcClock>),
+    Capped(Arc<SharedTokenBucket<Capped, ArcClock>>),
 }
 
 macro_rules! either {
@@ -51,6 +54,10 @@ impl Budget {
 
     pub(crate) fn threshold(&self) -> u64 {
         either!(self, b => b.threshold())
+    }
+
+    pub(crate) fn clock(&self) -> &ArcClock {
+        either!(self, b => b.clock())
     }
 
     pub(crate) fn limit(&self) -> u64 {

@@ -76,6 +76,8 @@ pub use handle::{IoHandle, SplitHandle};
 pub use stats::{ClassStats, DispatcherStats, ShardStats};
 
 use crate::bucket::{BucketConfig, BucketState, Rate, SharedTokenBucket};
+use crate::bucket::{Capped, Mode, Uncapped};
+use crate::checkpoint::{CheckpointedBucket, MarkGate};
 use crate::clock::{Clock, MonotonicClock};
 use crate::error::{BuildError, ConfigError, ControlError, ShutdownError, SubmitError};
 use crate::sync::{Arc, AtomicU64, Ordering};
@@ -91,6 +93,10 @@ pub(crate) type ArcClock = Arc<dyn Clock>;
 /// What all shards share: the bucket, the classes' fairness state, the configuration.
 pub(crate) struct Shared {
     pub(crate) budget: Budget,
+    /// The checkpoint layer ([`DispatcherBuilder::checkpoint`]): in strict mode a shard
+    /// dispatches a reservation only once the durable mark covers it. `None`: no checkpoint,
+    /// and the shards' hot path is unchanged.
+    pub(crate) gate: Option<Arc<MarkGate>>,
     pub(crate) classes: Classes,
     pub(crate) disk: DiskModel,
     /// The most tokens one request (or piece) may cost; at most the bucket's limit.
@@ -195,6 +201,7 @@ impl Shared {
     ) -> Self {
         Shared {
             budget,
+            gate: None,
             classes,
             disk,
             max_cost,
@@ -292,6 +299,8 @@ pub struct DispatcherBuilder {
     pin: bool,
     classes: Vec<ClassConfig>,
     clock: ArcClock,
+    /// The checkpointed bucket's own bucket and its gate ([`checkpoint`](Self::checkpoint)).
+    checkpoint: Option<(Budget, Arc<MarkGate>)>,
 }
 
 impl fmt::Debug for DispatcherBuilder {
@@ -330,6 +339,7 @@ impl DispatcherBuilder {
             pin: true,
             classes: Vec::new(),
             clock: Arc::new(MonotonicClock::new()),
+            checkpoint: None,
         }
     }
 
@@ -445,6 +455,40 @@ impl DispatcherBuilder {
         self
     }
 
+    /// Dispatches from a checkpointed bucket, the layer [`Throttle::with_checkpoint`] also
+    /// accepts: a [`Checkpointer`] over the same `checkpointed` saves the bucket the shards
+    /// grab from, so a restart ([`CheckpointedBucket::restore`]) restores the dispatcher's
+    /// rovers (no free burst). In [`Durability::Strict`] mode (without `fail_open`) a shard
+    /// dispatches a reservation only once the durable mark covers its tail: while the store
+    /// stalls, nothing past the mark is dispatched, and the shard sleeps, without polling,
+    /// until the checkpointer publishes a new mark. Queued requests whose handles are dropped
+    /// meanwhile give their tokens back when the shard gets to them.
+    ///
+    /// The bucket's rate, limit, threshold, mode ([`Capped`] or [`Uncapped`]) and clock replace
+    /// the builder's [`rate`](Self::rate), [`limit`](Self::limit),
+    /// [`threshold`](Self::threshold), [`capped`](Self::capped) and [`clock`](Self::clock). Build
+    /// the bucket on an `Arc<dyn Clock>`, the dispatcher's clock type.
+    ///
+    /// [`Throttle::with_checkpoint`]: crate::Throttle::with_checkpoint
+    /// [`Checkpointer`]: crate::checkpoint::Checkpointer
+    /// [`Durability::Strict`]: crate::checkpoint::Durability::Strict
+    pub fn checkpoint<M: Mode>(
+        mut self,
+        checkpointed: &CheckpointedBucket<M, Arc<dyn Clock>>,
+    ) -> Self {
+        let bucket: Arc<dyn std::any::Any + Send + Sync> = checkpointed.shared_bucket().clone();
+        let budget = match bucket.downcast::<SharedTokenBucket<Uncapped, ArcClock>>() {
+            Ok(b) => Budget::Uncapped(b),
+            Err(bucket) => Budget::Capped(
+                bucket
+                    .downcast::<SharedTokenBucket<Capped, ArcClock>>()
+                    .expect("Mode is sealed: Capped or Uncapped"),
+            ),
+        };
+        self.checkpoint = Some((budget, Arc::clone(checkpointed.gate())));
+        self
+    }
+
     /// Adds a class and keeps the chain going; its id is its position (0, 1, …), and
     /// [`Dispatcher::class_id`] finds it by name. The class is checked by
     /// [`build`](Self::build) (shares in `1..=1000`, a positive cap, a unique name).
@@ -533,23 +577,36 @@ impl DispatcherBuilder {
                 max: Duration::from_nanos(BucketConfig::MAX_LIMIT),
             });
         }
-        let limit = self.limit.unwrap_or(goal_tokens);
-        let threshold = self.threshold.unwrap_or_else(|| {
-            let t = self.rate.tokens_in(Duration::from_micros(20));
-            u64::try_from(t).unwrap_or(u64::MAX).clamp(1, limit.max(1))
-        });
-        let config = BucketConfig::new(self.rate, limit).with_threshold(threshold);
-        let budget = if self.capped {
-            Budget::Capped(SharedTokenBucket::with_clock(config, self.clock.clone())?)
-        } else {
-            Budget::Uncapped(SharedTokenBucket::with_clock(config, self.clock.clone())?)
+        let (budget, gate) = match &self.checkpoint {
+            Some((budget, gate)) => (budget.clone(), Some(Arc::clone(gate))),
+            None => {
+                let limit = self.limit.unwrap_or(goal_tokens);
+                let threshold = self.threshold.unwrap_or_else(|| {
+                    let t = self.rate.tokens_in(Duration::from_micros(20));
+                    u64::try_from(t).unwrap_or(u64::MAX).clamp(1, limit.max(1))
+                });
+                let config = BucketConfig::new(self.rate, limit).with_threshold(threshold);
+                let budget = if self.capped {
+                    Budget::Capped(Arc::new(SharedTokenBucket::with_clock(
+                        config,
+                        self.clock.clone(),
+                    )?))
+                } else {
+                    Budget::Uncapped(Arc::new(SharedTokenBucket::with_clock(
+                        config,
+                        self.clock.clone(),
+                    )?))
+                };
+                (budget, None)
+            }
         };
+        let (limit, rate, clock) = (budget.limit(), budget.rate(), budget.clock().clone());
         let max_cost = self.max_cost.unwrap_or((limit / 2).max(1));
         // An eighth of the limit at most: in capped mode a reservation that does not fit in
         // what completions left waits whole, so coarse batches would leave part of the goal's
         // capacity unused (a third of it with batches of a third).
         let batch = self.batch.unwrap_or_else(|| {
-            let b = self.rate.tokens_in(Duration::from_micros(250));
+            let b = rate.tokens_in(Duration::from_micros(250));
             u64::try_from(b)
                 .unwrap_or(u64::MAX)
                 .clamp(1, (limit / 8).max(1))
@@ -564,18 +621,19 @@ impl DispatcherBuilder {
             self.classes.clone(),
             shards,
             (batch, idle_credit),
-            self.rate,
-            &self.clock,
+            rate,
+            &clock,
         )?;
-        let shared = Shared::new(
+        let mut shared = Shared::new(
             budget,
             classes,
             disk,
             (max_cost, batch),
             self.latency_goal,
-            self.clock.clone(),
+            clock,
             shards,
         );
+        shared.gate = gate;
         Ok((Arc::new(shared), shards))
     }
 }

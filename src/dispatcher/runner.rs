@@ -137,6 +137,11 @@ impl Drop for Completion {
                 n.notify_one();
             }
         }
+        #[cfg(feature = "metrics")]
+        crate::metrics::class_completed(
+            shared.classes.get(self.class).config.name(),
+            shared.clock.now().saturating_sub(self.times.1),
+        );
         if let Some(core) = self.inflight.core.upgrade() {
             // Completions run in the shard's tasks, never inside the loop's own borrow; should
             // one ever overlap, the sample is skipped rather than panicking.
@@ -290,6 +295,23 @@ async fn run(
                     _ = tokio::time::sleep(d + FINE_BELOW) => {}
                 }
                 timer.disarm(index);
+            }
+            Next::WaitDurable(tail) => {
+                let gate = shared
+                    .gate
+                    .as_deref()
+                    .expect("only a gated shard waits for the mark");
+                tokio::select! {
+                    biased;
+                    msg = rx.recv(), if open => match msg {
+                        Some(msg) => handle(msg, &mut closing),
+                        None => {
+                            open = false;
+                            closing = Some(ShutdownMode::Cancel);
+                        }
+                    },
+                    _ = gate.wait_durable(tail) => {}
+                }
             }
             Next::WakeAfter(d) => {
                 tokio::select! {

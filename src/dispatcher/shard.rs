@@ -42,6 +42,9 @@ pub(crate) enum Next {
     Idle,
     /// Poll again after this long (or earlier, when a request arrives).
     WakeAfter(Duration),
+    /// The reservation ending at this tail has its tokens but is past the durable checkpoint
+    /// mark (strict mode): poll again when the mark moves (or a request arrives).
+    WaitDurable(u64),
 }
 
 #[derive(Debug)]
@@ -127,6 +130,12 @@ impl<P: Payload> ShardCore<P> {
                         self.shared.budget.duration_for(d).max(until_replenish),
                     );
                 }
+                if let Some(gate) = self.shared.gate.as_deref().filter(|g| g.blocks(res.tail)) {
+                    // Past the durable mark: like a deficiency, but it ends when the
+                    // checkpointer publishes a mark, not with time.
+                    gate.request();
+                    return Next::WaitDurable(res.tail);
+                }
                 let res = self.reservation.take().expect("checked above");
                 self.dispatch(now, res.entries, dispatch);
             }
@@ -136,6 +145,9 @@ impl<P: Payload> ShardCore<P> {
             {
                 Selection::Batch { entries, tokens } => {
                     let tail = self.shared.budget.grab(tokens);
+                    if let Some(gate) = &self.shared.gate {
+                        gate.on_grab(tail);
+                    }
                     self.reservation = Some(Reservation { tail, entries });
                 }
                 Selection::Empty => return Next::Idle,

@@ -237,6 +237,7 @@ impl Sim {
                 self.wake[s] = match next {
                     Next::Idle => None,
                     Next::WakeAfter(d) => Some(now + d),
+                    Next::WaitDurable(_) => unreachable!("no checkpoint in these tests"),
                 };
             }
             step += 1;
