@@ -679,6 +679,76 @@ mod tests {
         });
     }
 
+    /// A shard that stops while one of its operations is in flight hands the ring to a thread,
+    /// which reaps the last completion: the kernel cancels the requests of a thread that exits
+    /// (`-ECANCELED`), or the write finished first; either way the buffer is released only by
+    /// that completion, and the pipe holds either nothing more or the whole page.
+    #[test]
+    fn a_shard_stopping_with_io_in_flight_hands_the_ring_to_a_thread() {
+        if uring_available().is_err() {
+            eprintln!("io_uring unavailable: skipped");
+            return;
+        }
+        let page = super::super::ALIGN;
+        let (mut rd, wr) = full_pipe();
+        let buf = Arc::new(AlignedBuf::from_slice(&vec![9u8; page]).unwrap());
+        let mut b = Dispatcher::builder()
+            .shards(1)
+            .pin_threads(false)
+            .disk(DiskModel::new(1 << 30, 1 << 30, 100_000, 100_000));
+        let class = b.add_class(ClassConfig::new("io", 100)).unwrap();
+        let d = b.build().unwrap();
+        let held = buf.clone();
+        let job = d
+            .submit(class, IoRequest::write(4096), async move {
+                let io = RawIo {
+                    kind: OpKind::Write,
+                    file: wr,
+                    buf: Some(held),
+                    start: 0,
+                    len: page,
+                    offset: 0,
+                };
+                let mut fut = Box::pin(run(Resolved::IoUring, io));
+                let first =
+                    std::future::poll_fn(|cx| std::task::Poll::Ready(fut.as_mut().poll(cx))).await;
+                assert!(first.is_pending(), "the pipe is full");
+                reaper_here()
+            })
+            .unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        assert_eq!(rt.block_on(job).unwrap(), Some(Reaper::Task));
+        // Joins the shard thread: its runtime and the reaper task are gone; only a handed-over
+        // reaper can reap what the thread left in flight.
+        d.shutdown();
+        assert_eq!(
+            Arc::strong_count(&buf),
+            2,
+            "the in-flight buffer outlives the shard's runtime"
+        );
+        // Make room: the kernel retries the write, and cancels it (`-ECANCELED`) if its
+        // submitting thread is gone. Polled, not timed: the test runner's timeout catches a
+        // completion nobody reaps.
+        let mut got = vec![0u8; page];
+        rd.read_exact(&mut got).unwrap();
+        assert!(got.iter().all(|&b| b == 1));
+        while Arc::strong_count(&buf) > 1 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // The write end is closed now (the table dropped the file with the buffer): the rest is
+        // the whole page or nothing.
+        let mut rest = Vec::new();
+        rd.read_to_end(&mut rest).unwrap();
+        assert!(
+            rest.is_empty() || (rest.len() == page && rest.iter().all(|&b| b == 9)),
+            "{} bytes left",
+            rest.len()
+        );
+    }
+
     #[test]
     fn without_an_io_driver_completions_are_reaped_by_a_thread_and_cancellation_keeps_the_buffer() {
         if uring_available().is_err() {
