@@ -1,6 +1,8 @@
-//! Where the I/O runs: io_uring (a ring per thread, completions reaped by a helper thread), or a
-//! small blocking pool where io_uring is unavailable. Both are runtime-agnostic: the caller's
-//! future waits on a oneshot channel, so a shard's current-thread runtime never blocks.
+//! Where the I/O runs: io_uring (a ring per thread), or a small blocking pool where io_uring is
+//! unavailable. On a dispatcher shard the ring's completions are reaped by a task on the shard's
+//! own runtime, woken by its I/O driver through the ring's eventfd; elsewhere by a helper thread
+//! sleeping on that eventfd. The caller's future waits on a oneshot channel, so a shard's
+//! current-thread runtime never blocks.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -9,6 +11,8 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::{Mutex, OnceLock};
 
 use io_uring::{opcode, types, IoUring};
+use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
 use tokio::sync::oneshot;
 
 use super::buf::AlignedBuf;
@@ -151,17 +155,35 @@ const CQ_ENTRIES: u32 = 4096;
 struct Ring {
     ring: IoUring,
     /// In flight, by `user_data`: the completion's receiver and what must outlive the kernel's
-    /// use of it (the file, the buffer).
+    /// use of it (the file, the buffer). An entry leaves only when its completion is reaped, so
+    /// a dropped (cancelled) future leaves its buffer here until the kernel is done with it.
     pending: HashMap<u64, (oneshot::Sender<i32>, RawIo)>,
     next: u64,
     /// The owning thread has exited: the reaper stops once `pending` is empty.
     closing: bool,
+    /// Who reaps. Invariant: `pending` is empty or `reaper` is not [`Reaper::None`] (a reaper
+    /// is started before an entry is added, and a reaper gives up its role only once `pending`
+    /// is empty, or hands it to a thread).
+    reaper: Reaper,
 }
 
-/// A ring shared by the thread that submits on it and its reaper thread.
+/// Who reaps a ring's completions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Reaper {
+    /// Nobody (nothing is in flight).
+    None,
+    /// A task on the owning thread's runtime, woken by the runtime's I/O driver through the
+    /// eventfd (on the dispatcher's shards): a completion never leaves the thread.
+    Task,
+    /// A helper thread sleeping on the eventfd (threads without a tokio I/O driver).
+    Thread,
+}
+
+/// A ring shared by the thread that submits on it and its reaper.
 struct Driver {
     inner: Mutex<Ring>,
-    /// Registered with the ring: the kernel adds to it for every completion.
+    /// Registered with the ring: the kernel adds to it for every completion. Non-blocking (the
+    /// task reaper reads it after readiness; the thread reaper polls before reading).
     eventfd: OwnedFd,
 }
 
@@ -171,27 +193,23 @@ impl Driver {
             .setup_cqsize(CQ_ENTRIES)
             .build(SQ_ENTRIES)?;
         // SAFETY: plain syscall with no pointers.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
         if fd < 0 {
             return Err(io::Error::last_os_error());
         }
         // SAFETY: `fd` was just returned by eventfd and is owned by nothing else.
         let eventfd = unsafe { OwnedFd::from_raw_fd(fd) };
         ring.submitter().register_eventfd(eventfd.as_raw_fd())?;
-        let driver = Arc::new(Driver {
+        Ok(Arc::new(Driver {
             inner: Mutex::new(Ring {
                 ring,
                 pending: HashMap::new(),
                 next: 0,
                 closing: false,
+                reaper: Reaper::None,
             }),
             eventfd,
-        });
-        let reaper = driver.clone();
-        std::thread::Builder::new()
-            .name("iothrottle-uring-reaper".into())
-            .spawn(move || reap(reaper))?;
-        Ok(driver)
+        }))
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Ring> {
@@ -211,28 +229,37 @@ impl Driver {
             )
         };
     }
-}
 
-/// The reaper: sleeps on the eventfd, hands completions to their futures, and drops what the
-/// kernel no longer uses. It exits once the owning thread is gone and nothing is in flight, so
-/// no buffer is ever freed under the kernel.
-fn reap(driver: Arc<Driver>) {
-    let mut count = [0u8; 8];
-    loop {
+    /// Resets the eventfd's count (non-blocking; a zero count is left as it is).
+    fn drain_eventfd(&self) {
+        let mut count = [0u8; 8];
         // SAFETY: reads at most 8 bytes into a live local buffer of 8 bytes.
-        let n = unsafe {
+        let _ = unsafe {
             libc::read(
-                driver.eventfd.as_raw_fd(),
+                self.eventfd.as_raw_fd(),
                 count.as_mut_ptr().cast(),
                 count.len(),
             )
         };
-        if n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
-            continue;
-        }
+    }
+
+    /// Sleeps until the eventfd's count is non-zero (or a signal interrupts).
+    fn wait_eventfd(&self) {
+        let mut pfd = libc::pollfd {
+            fd: self.eventfd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one live `pollfd`, count 1, no timeout.
+        let _ = unsafe { libc::poll(&mut pfd, 1, -1) };
+    }
+
+    /// Hands every completion posted so far to its future; `stop` decides, under the same lock,
+    /// whether the calling reaper gives up its role.
+    fn reap(&self, stop: impl FnOnce(&mut Ring) -> bool) -> bool {
         let mut done = Vec::new();
         let exit = {
-            let mut g = driver.lock();
+            let mut g = self.lock();
             // Entries left queued by a failed submit, or completions the kernel holds back
             // after an overflow: one more enter hands them over (skipped otherwise: it is a
             // syscall per wake).
@@ -249,7 +276,7 @@ fn reap(driver: Arc<Driver>) {
                     done.push((p, cqe.result()));
                 }
             }
-            g.closing && g.pending.is_empty()
+            stop(&mut g)
         };
         for ((tx, io), res) in done {
             // The kernel is done with the buffer: drop our hold on it before waking the owner,
@@ -257,9 +284,119 @@ fn reap(driver: Arc<Driver>) {
             drop(io);
             let _ = tx.send(res);
         }
+        exit
+    }
+}
+
+/// Starts a reaper for `driver` (whose lock the caller holds as `g`): a task on this thread's
+/// runtime when this thread is a dispatcher shard (a current-thread runtime with an I/O
+/// driver), else a thread.
+fn start_reaper(driver: &Arc<Driver>, g: &mut Ring) -> io::Result<()> {
+    if crate::dispatcher::on_any_shard() {
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            if handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread {
+                let _enter = handle.enter();
+                // SAFETY: `EventFd` returns the driver's eventfd, which the `Arc` it holds keeps
+                // open (the `OwnedFd` is closed only when the last `Arc<Driver>` goes, and the
+                // `AsyncFd` owns one) and which is never replaced.
+                let afd = unsafe {
+                    AsyncFd::register_with_interest(EventFd(driver.clone()), Interest::READABLE)
+                }?;
+                handle.spawn(reap_task(afd));
+                g.reaper = Reaper::Task;
+                return Ok(());
+            }
+        }
+    }
+    spawn_reaper_thread(driver.clone(), false)?;
+    g.reaper = Reaper::Thread;
+    Ok(())
+}
+
+/// The eventfd of a driver, kept open by the `Arc` for as long as the registration lives.
+struct EventFd(Arc<Driver>);
+
+impl AsRawFd for EventFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0.eventfd.as_raw_fd()
+    }
+}
+
+/// Gives the ring to a thread if the task stops (its runtime shut down) with operations still
+/// in flight, so that their buffers live until their completions.
+struct TaskGuard(Arc<Driver>);
+
+impl Drop for TaskGuard {
+    fn drop(&mut self) {
+        let mut g = self.0.lock();
+        if g.reaper != Reaper::Task {
+            return;
+        }
+        if g.pending.is_empty() {
+            g.reaper = Reaper::None;
+            return;
+        }
+        match spawn_reaper_thread(self.0.clone(), true) {
+            Ok(()) => g.reaper = Reaper::Thread,
+            Err(e) => {
+                // Nobody can reap: never free a buffer the kernel may still write. Leak the
+                // ring and what it holds instead.
+                tracing::error!("cannot start an io_uring reaper thread ({e}); leaking the ring");
+                drop(g);
+                std::mem::forget(self.0.clone());
+            }
+        }
+    }
+}
+
+/// The task reaper: woken by the runtime's I/O driver when the eventfd is readable.
+async fn reap_task(afd: AsyncFd<EventFd>) {
+    let driver = afd.get_ref().0.clone();
+    let _guard = TaskGuard(driver.clone());
+    loop {
+        let mut ready = match afd.readable().await {
+            Ok(r) => r,
+            Err(e) => {
+                // The guard hands what is in flight to a thread.
+                tracing::warn!("io_uring eventfd not pollable ({e}); reaping on a thread");
+                return;
+            }
+        };
+        // Cleared before the count is read: a completion posted after the read makes the fd
+        // readable again, so none is missed.
+        ready.clear_ready();
+        driver.drain_eventfd();
+        driver.reap(|_| false);
+    }
+}
+
+fn spawn_reaper_thread(driver: Arc<Driver>, until_idle: bool) -> io::Result<()> {
+    std::thread::Builder::new()
+        .name("iothrottle-uring-reaper".into())
+        .spawn(move || reap_thread(driver, until_idle))
+        .map(drop)
+}
+
+/// The thread reaper: sleeps on the eventfd, hands completions to their futures, and drops what
+/// the kernel no longer uses. It exits once nothing is in flight and either the owning thread
+/// is gone or (`until_idle`, a ring handed over by a stopped task) at once, so no buffer is
+/// ever freed under the kernel.
+fn reap_thread(driver: Arc<Driver>, until_idle: bool) {
+    loop {
+        // The count is reset before reaping: a completion posted after the reap finds it zero
+        // and raises it, so the wait below returns.
+        driver.drain_eventfd();
+        let exit = driver.reap(|g| {
+            let stop = g.pending.is_empty() && (until_idle || g.closing);
+            if stop {
+                g.reaper = Reaper::None;
+            }
+            stop
+        });
         if exit {
             return;
         }
+        driver.wait_eventfd();
     }
 }
 
@@ -308,6 +445,11 @@ fn uring_submit(io: RawIo) -> Result<oneshot::Receiver<i32>, SubmitFailure> {
     let mut g = driver.lock();
     if g.pending.len() >= CQ_ENTRIES as usize {
         return Err((io::Error::from_raw_os_error(libc::EBUSY), Some(io)));
+    }
+    if g.reaper == Reaper::None {
+        if let Err(e) = start_reaper(&driver, &mut g) {
+            return Err((e, Some(io)));
+        }
     }
     let id = g.next;
     g.next = g.next.wrapping_add(1);
@@ -433,5 +575,202 @@ fn blocking(io: &RawIo) -> i32 {
         if errno != libc::EINTR {
             return -errno;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::future::Future;
+    use std::io::Read;
+    use std::os::fd::FromRawFd;
+    use std::time::Duration;
+
+    use super::*;
+    use crate::dispatcher::{ClassConfig, DiskModel, Dispatcher, IoRequest};
+
+    /// Who reaps the calling thread's ring, if it has one.
+    fn reaper_here() -> Option<Reaper> {
+        LOCAL.with(|l| l.borrow().0.as_ref().map(|d| d.lock().reaper))
+    }
+
+    /// A pipe whose one-page buffer is full of 1s: a write into it waits for a reader.
+    fn full_pipe() -> (File, Arc<File>) {
+        let mut fds = [0; 2];
+        // SAFETY: `fds` has room for the two descriptors.
+        assert_eq!(
+            unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_DIRECT | libc::O_CLOEXEC) },
+            0
+        );
+        // SAFETY: both descriptors were just made and are owned by nothing else.
+        let (rd, mut wr) = unsafe { (File::from_raw_fd(fds[0]), File::from_raw_fd(fds[1])) };
+        // SAFETY: plain fcntl on our own descriptor.
+        assert!(
+            unsafe { libc::fcntl(fds[1], libc::F_SETPIPE_SZ, super::super::ALIGN as i32) } >= 0
+        );
+        std::io::Write::write_all(&mut wr, &[1u8; super::super::ALIGN]).unwrap();
+        (rd, Arc::new(wr))
+    }
+
+    /// Submits a write into a full pipe, drops its future while the write is in flight, and
+    /// checks that the in-flight table still holds the buffer; then lets the write complete and
+    /// checks that the buffer is released after the kernel wrote it out whole.
+    async fn cancel_while_in_flight(expect: Reaper) {
+        let page = super::super::ALIGN;
+        let (mut rd, wr) = full_pipe();
+        let buf = Arc::new(AlignedBuf::from_slice(&vec![9u8; page]).unwrap());
+        let io = RawIo {
+            kind: OpKind::Write,
+            file: wr,
+            buf: Some(buf.clone()),
+            start: 0,
+            len: page,
+            offset: 0,
+        };
+        let mut fut = Box::pin(run(Resolved::IoUring, io));
+        // One poll submits the write; the pipe is full, so it cannot complete.
+        let first = std::future::poll_fn(|cx| std::task::Poll::Ready(fut.as_mut().poll(cx))).await;
+        assert!(first.is_pending(), "the pipe is full");
+        assert_eq!(reaper_here(), Some(expect));
+        drop(fut);
+        assert_eq!(
+            Arc::strong_count(&buf),
+            2,
+            "the cancelled write's buffer is held by the in-flight table"
+        );
+        // Make room: the kernel writes the buffer out, the reaper drops the table's hold.
+        let mut got = vec![0u8; page];
+        rd.read_exact(&mut got).unwrap();
+        assert!(got.iter().all(|&b| b == 1));
+        while Arc::strong_count(&buf) > 1 {
+            tokio::task::yield_now().await;
+        }
+        rd.read_exact(&mut got).unwrap();
+        assert!(got.iter().all(|&b| b == 9), "the whole buffer was written");
+    }
+
+    #[test]
+    fn on_a_shard_completions_are_reaped_by_a_task_and_cancellation_keeps_the_buffer() {
+        if uring_available().is_err() {
+            eprintln!("io_uring unavailable: skipped");
+            return;
+        }
+        let mut b = Dispatcher::builder()
+            .shards(1)
+            .pin_threads(false)
+            .disk(DiskModel::new(1 << 30, 1 << 30, 100_000, 100_000));
+        let class = b.add_class(ClassConfig::new("io", 100)).unwrap();
+        let d = b.build().unwrap();
+        let job = d
+            .submit(class, IoRequest::write(4096), async {
+                cancel_while_in_flight(Reaper::Task).await;
+                // And a second operation after the first, on the same ring and task.
+                cancel_while_in_flight(Reaper::Task).await;
+            })
+            .unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            tokio::time::timeout(Duration::from_secs(60), job)
+                .await
+                .expect("the completion was never reaped")
+                .unwrap()
+        });
+    }
+
+    /// A shard that stops while one of its operations is in flight hands the ring to a thread,
+    /// which reaps the last completion: the kernel cancels the requests of a thread that exits
+    /// (`-ECANCELED`), or the write finished first; either way the buffer is released only by
+    /// that completion, and the pipe holds either nothing more or the whole page.
+    #[test]
+    fn a_shard_stopping_with_io_in_flight_hands_the_ring_to_a_thread() {
+        if uring_available().is_err() {
+            eprintln!("io_uring unavailable: skipped");
+            return;
+        }
+        let page = super::super::ALIGN;
+        let (mut rd, wr) = full_pipe();
+        let buf = Arc::new(AlignedBuf::from_slice(&vec![9u8; page]).unwrap());
+        let mut b = Dispatcher::builder()
+            .shards(1)
+            .pin_threads(false)
+            .disk(DiskModel::new(1 << 30, 1 << 30, 100_000, 100_000));
+        let class = b.add_class(ClassConfig::new("io", 100)).unwrap();
+        let d = b.build().unwrap();
+        let held = buf.clone();
+        let job = d
+            .submit(class, IoRequest::write(4096), async move {
+                let io = RawIo {
+                    kind: OpKind::Write,
+                    file: wr,
+                    buf: Some(held),
+                    start: 0,
+                    len: page,
+                    offset: 0,
+                };
+                let mut fut = Box::pin(run(Resolved::IoUring, io));
+                let first =
+                    std::future::poll_fn(|cx| std::task::Poll::Ready(fut.as_mut().poll(cx))).await;
+                assert!(first.is_pending(), "the pipe is full");
+                reaper_here()
+            })
+            .unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        assert_eq!(rt.block_on(job).unwrap(), Some(Reaper::Task));
+        // Joins the shard thread: its runtime and the reaper task are gone; only a handed-over
+        // reaper can reap what the thread left in flight.
+        d.shutdown();
+        assert_eq!(
+            Arc::strong_count(&buf),
+            2,
+            "the in-flight buffer outlives the shard's runtime"
+        );
+        // Make room: the kernel retries the write, and cancels it (`-ECANCELED`) if its
+        // submitting thread is gone. Polled, not timed: the test runner's timeout catches a
+        // completion nobody reaps.
+        let mut got = vec![0u8; page];
+        rd.read_exact(&mut got).unwrap();
+        assert!(got.iter().all(|&b| b == 1));
+        while Arc::strong_count(&buf) > 1 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // The write end is closed now (the table dropped the file with the buffer): the rest is
+        // the whole page or nothing.
+        let mut rest = Vec::new();
+        rd.read_to_end(&mut rest).unwrap();
+        assert!(
+            rest.is_empty() || (rest.len() == page && rest.iter().all(|&b| b == 9)),
+            "{} bytes left",
+            rest.len()
+        );
+    }
+
+    #[test]
+    fn without_an_io_driver_completions_are_reaped_by_a_thread_and_cancellation_keeps_the_buffer() {
+        if uring_available().is_err() {
+            eprintln!("io_uring unavailable: skipped");
+            return;
+        }
+        // A fresh thread: its ring is new; its runtime has no I/O driver.
+        std::thread::spawn(|| {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_time()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                tokio::time::timeout(
+                    Duration::from_secs(60),
+                    cancel_while_in_flight(Reaper::Thread),
+                )
+                .await
+                .expect("the completion was never reaped")
+            });
+        })
+        .join()
+        .unwrap();
     }
 }

@@ -54,6 +54,7 @@ mod handle;
 mod latency;
 mod queue;
 mod runner;
+pub(crate) use runner::on_any_shard;
 mod shard;
 mod stats;
 mod timer;
@@ -699,8 +700,10 @@ impl Dispatcher {
         };
         let id = dispatcher.id();
         for index in 0..shards {
+            // I/O: `disk` reaps io_uring completions on the shard's own reactor.
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_time()
+                .enable_io()
                 .build()
                 .map_err(|source| BuildError::Spawn {
                     shard: index,

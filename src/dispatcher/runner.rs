@@ -67,6 +67,12 @@ thread_local! {
     static CURRENT: Cell<Option<(usize, usize)>> = const { Cell::new(None) };
 }
 
+/// Whether the calling thread is a shard of some dispatcher (its runtime is current-thread, with
+/// an I/O driver).
+pub(crate) fn on_any_shard() -> bool {
+    CURRENT.with(|c| c.get()).is_some()
+}
+
 /// The shard of dispatcher `id` that the calling thread runs, if any.
 pub(crate) fn current_shard(id: usize) -> Option<usize> {
     CURRENT
