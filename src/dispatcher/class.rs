@@ -10,8 +10,9 @@ use std::time::Duration;
 
 use crate::bucket::{BucketConfig, Rate, SharedTokenBucket, Uncapped};
 use crate::error::BuildError;
-use crate::sync::{Arc, AtomicU64, Ordering};
+use crate::sync::Arc;
 
+use super::bound::InFlightBound;
 pub(crate) use super::fair::Ahead;
 use super::fair::Fairness;
 use super::latency::LatencyControl;
@@ -212,11 +213,9 @@ pub(crate) struct ClassShared {
     /// The bandwidth cap. Shards keep their own copy of the `Arc`, refreshed when the
     /// dispatcher's control generation changes, so the lock is off the hot path.
     cap: RwLock<Option<Arc<CapBucket>>>,
-    /// Tokens of this class reserved or running, all shards together (see
-    /// [`ClassConfig::with_max_in_flight`]); counted only when the class has a bound.
-    in_flight: AtomicU64,
-    /// The bound, in tokens.
-    in_flight_limit: Option<u64>,
+    /// Tokens of this class reserved or running, all shards together, when the class has a
+    /// bound (see [`ClassConfig::with_max_in_flight`]).
+    in_flight: Option<InFlightBound>,
 }
 
 impl fmt::Debug for ClassShared {
@@ -253,14 +252,13 @@ impl Classes {
                 None => None,
                 Some(bps) => Some(Arc::new(cap_bucket(Rate::per_second(bps), clock)?)),
             };
-            let in_flight_limit = config
+            let in_flight = config
                 .max_in_flight
-                .map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
+                .map(|d| InFlightBound::new(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)));
             classes.push(ClassShared {
                 config,
                 cap: RwLock::new(cap),
-                in_flight: AtomicU64::new(0),
-                in_flight_limit,
+                in_flight,
             });
         }
         let specs: Vec<_> = classes
@@ -372,42 +370,31 @@ impl Classes {
     /// nothing of the class is in flight, and always for a class without a bound); `false`
     /// when the request must wait for the class's completions.
     pub(crate) fn try_start(&self, class: usize, cost: u64) -> bool {
-        let c = &self.classes[class];
-        let Some(limit) = c.in_flight_limit else {
-            return true;
-        };
-        // Relaxed: the counter publishes no other data; the read-modify-write alone keeps the
-        // bound exact across shards.
-        c.in_flight
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
-                (n == 0 || n.saturating_add(cost) <= limit).then(|| n.saturating_add(cost))
-            })
-            .is_ok()
+        match &self.classes[class].in_flight {
+            Some(b) => b.try_start(cost),
+            None => true,
+        }
     }
 
     /// `cost` tokens of `class` counted by [`try_start`](Self::try_start) completed or were
     /// given back; `true` when the class has a bound (its waiting requests may go now).
     pub(crate) fn finish(&self, class: usize, cost: u64) -> bool {
-        let Some(c) = self.classes.get(class) else {
-            return false;
-        };
-        if c.in_flight_limit.is_none() {
-            return false;
+        match self.classes.get(class).and_then(|c| c.in_flight.as_ref()) {
+            Some(b) => {
+                b.finish(cost);
+                true
+            }
+            None => false,
         }
-        // Relaxed: as in `try_start`.
-        let _ = c
-            .in_flight
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
-                Some(n.saturating_sub(cost))
-            });
-        true
     }
 
     /// Tests: the tokens of `class` in flight now.
     #[cfg(test)]
     pub(crate) fn in_flight(&self, class: usize) -> u64 {
-        // Relaxed: a test reads it with the shards stopped or on their thread.
-        self.classes[class].in_flight.load(Ordering::Relaxed)
+        self.classes[class]
+            .in_flight
+            .as_ref()
+            .map_or(0, InFlightBound::in_flight)
     }
 
     /// See [`Fairness::may_reserve`].
