@@ -10,7 +10,7 @@
 //! 1. **Disk model**: measured in a few seconds with O_DIRECT (random 4 KiB reads and writes at
 //!    queue depth 32, sequential 1 MiB reads and writes at queue depth 4), or loaded from a
 //!    Seastar `io_properties.yaml` (`--properties`).
-//! 2. **Five phases**, `--phase-secs` seconds each, run as interleaved one-second slices (one
+//! 2. **Six phases**, `--phase-secs` seconds each, run as interleaved one-second slices (one
 //!    of each phase per round, so that whatever else the machine does falls on all alike), on
 //!    scratch files in a temporary directory under `--dir` (a real disk; tmpfs has no
 //!    O_DIRECT), removed at the end, on error and on Ctrl-C:
@@ -23,12 +23,19 @@
 //!    - `plain`: the compaction through a plain rate limiter at `--plain-rate` (a [`Throttle`],
 //!      the RocksDB way);
 //!    - `iothrottle`: both through the [`Dispatcher`] with a latency goal (`--goal-us`): the
-//!      compaction's writes are split into 4 KiB-aligned pieces, and at most the goal's disk
-//!      time is in flight.
+//!      compaction's writes are split into 4 KiB-aligned pieces, at most the goal's disk
+//!      time is in flight, and the compaction holds at most half of it (`--bg-in-flight-us`,
+//!      `ClassConfig::with_max_in_flight`), so that writes the host stalls cannot hold the
+//!      foreground's share;
+//!    - `target`: the same dispatcher in latency-target mode: the foreground declares a p99
+//!      target (`--target-us`, `ClassConfig::with_latency_target`) and no class has a rate;
+//!      the dispatcher lowers the compaction's share while the target is missed.
 //!
-//! All I/O runs on tokio's blocking pool (`spawn_blocking`) from inside the submitted futures,
-//! so no shard's reactor is ever blocked. Latency is measured end to end by the caller
-//! (submission to completion). A row per second, a side-by-side table, an SVG plot with a
+//! Every phase issues its I/O the same way: [`ThrottledFile`] on io_uring (or the blocking pool
+//! where io_uring is unavailable), so no shard's reactor is ever blocked and the phases compare
+//! like with like. `idle`, `unthrottled` and `plain` go through a pass-through dispatcher (a
+//! modelled disk far faster than any, uncapped: it never holds a request back) with whole
+//! `--bg-kib` writes. Latency is measured end to end by the caller (submission to completion). A row per second, a side-by-side table, an SVG plot with a
 //! bandwidth and a latency panel, and one machine-readable `summary:` line.
 
 use std::alloc::Layout;
@@ -42,9 +49,11 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use hdrhistogram::Histogram;
+use iothrottle::disk::{AlignedBuf as DiskBuf, FileOptions, ThrottledFile};
 use iothrottle::dispatcher::{
     ClassConfig, ClassId, DiskModel, Dispatcher, DispatcherStats, IoKind, IoRequest,
 };
+use iothrottle::error::DiskError;
 use iothrottle::{BucketConfig, Rate, Throttle, Uncapped};
 
 /// Foreground reads against a background compaction on a real disk: idle, unthrottled, a
@@ -89,6 +98,19 @@ struct Args {
     /// Default: half the goal, but at least one 64 KiB write's and at most the goal.
     #[arg(long)]
     piece_us: Option<u64>,
+    /// The most disk time the compaction may hold in flight in the dispatcher, microseconds
+    /// (`ClassConfig::with_max_in_flight`; default: half the goal). The rest of the goal stays
+    /// free for the foreground even when the host stalls the compaction's writes.
+    #[arg(long)]
+    bg_in_flight_us: Option<u64>,
+    /// No in-flight bound on the compaction (the dispatcher before the fix, for comparison).
+    #[arg(long)]
+    no_bg_bound: bool,
+    /// The `target` phase: the foreground's p99 latency target, microseconds
+    /// (`ClassConfig::with_latency_target`; no rate configured for either class). Default:
+    /// 1.5 × the foreground's p99 in the first round's idle slice.
+    #[arg(long)]
+    target_us: Option<u64>,
     /// Uncapped dispatcher: the goal only sizes the burst, and requests go at the model's rate
     /// whatever completes (Seastar's behaviour); capped (the default) bounds the disk time in
     /// flight by completions.
@@ -253,13 +275,19 @@ fn check_args(args: &Args) -> Result<PathBuf, BoxError> {
             .into());
         }
     }
+    if args.target_us == Some(0) {
+        return Err("--target-us must be positive".into());
+    }
+    if args.bg_in_flight_us == Some(0) {
+        return Err("--bg-in-flight-us must be positive (--no-bg-bound removes the bound)".into());
+    }
     if args.fg_iops > 1_000_000 {
         return Err("--fg-iops must be at most 1000000".into());
     }
     check_plot_path(&args.plot)?;
     if let Some(p) = &args.properties {
         // Parsed now so that a bad file fails before any work.
-        load_properties(p)?;
+        DiskModel::from_properties(p)?;
     }
     let dir = match &args.dir {
         Some(d) => {
@@ -401,58 +429,6 @@ impl DiskBusy {
 // ---------------------------------------------------------------------------------------------
 // The disk model: io_properties.yaml, or a quick measurement.
 
-/// Reads the first disk of a Seastar `io_properties.yaml`:
-/// `disks: [ { mountpoint, read_iops, read_bandwidth, write_iops, write_bandwidth } ]`.
-fn load_properties(path: &Path) -> Result<(DiskModel, String), BoxError> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| format!("cannot read the properties file {}: {e}", path.display()))?;
-    let mut mount = String::from("?");
-    let mut fields: [Option<u64>; 4] = [None; 4];
-    let names = [
-        "read_iops",
-        "read_bandwidth",
-        "write_iops",
-        "write_bandwidth",
-    ];
-    for line in text.lines() {
-        let l = line
-            .trim()
-            .trim_start_matches('-')
-            .trim()
-            .trim_matches(|c| c == '{' || c == '}');
-        for part in l.split(',') {
-            let Some((k, v)) = part.split_once(':') else {
-                continue;
-            };
-            let (k, v) = (k.trim(), v.trim().trim_matches('"'));
-            if k == "mountpoint" {
-                mount = v.to_owned();
-            }
-            if let Some(i) = names.iter().position(|n| *n == k) {
-                if fields[i].is_some() {
-                    continue; // only the first disk
-                }
-                let n: f64 = v
-                    .parse()
-                    .map_err(|_| format!("{}: {k} is not a number: {v:?}", path.display()))?;
-                if !(1.0..1e15).contains(&n) {
-                    return Err(format!("{}: {k} must be positive, got {v}", path.display()).into());
-                }
-                fields[i] = Some(n as u64);
-            }
-        }
-    }
-    let mut got = [0u64; 4];
-    for (i, f) in fields.iter().enumerate() {
-        got[i] = f.ok_or_else(|| format!("{}: no {} found", path.display(), names[i]))?;
-    }
-    let [read_iops, read_bw, write_iops, write_bw] = got;
-    Ok((
-        DiskModel::new(read_bw, write_bw, read_iops, write_iops),
-        mount,
-    ))
-}
-
 /// `depth` threads doing `size`-byte O_DIRECT I/O (random within `region` if `random`, else
 /// sequential) for `time`: operations and bytes per second.
 fn measure(
@@ -540,15 +516,18 @@ enum Phase {
     Unthrottled,
     Plain,
     IoThrottle,
+    /// The dispatcher in latency-target mode: the foreground declares a p99 target.
+    Target,
 }
 
 impl Phase {
-    const ALL: [Phase; 5] = [
+    const ALL: [Phase; 6] = [
         Phase::Idle,
         Phase::IdleDispatched,
         Phase::Unthrottled,
         Phase::Plain,
         Phase::IoThrottle,
+        Phase::Target,
     ];
 
     fn name(self) -> &'static str {
@@ -558,6 +537,7 @@ impl Phase {
             Phase::Unthrottled => "unthrottled",
             Phase::Plain => "plain",
             Phase::IoThrottle => "iothrottle",
+            Phase::Target => "target",
         }
     }
 }
@@ -665,12 +645,27 @@ fn q(h: &Histogram<u64>, q: f64) -> Duration {
     }
 }
 
-/// How the drivers issue their I/O in a phase.
+/// The foreground's and the compaction's files of one I/O path (io_uring, through a
+/// dispatcher).
+type Files = Arc<(ThrottledFile, ThrottledFile)>;
+
+/// How the drivers issue their I/O in a phase. Every route runs its I/O on io_uring through
+/// `ThrottledFile`: `Direct` and `Plain` on a pass-through dispatcher (a disk model far faster
+/// than any disk, so it never holds a request back), `Dispatched` on a throttling one.
 #[derive(Debug, Clone)]
 enum Route {
-    Direct,
-    Plain(Throttle<Uncapped>),
-    Dispatched(Arc<Dispatcher>, ClassId, ClassId),
+    Direct(Files),
+    Plain(Throttle<Uncapped>, Files),
+    /// The dispatcher, the foreground's class (for its stats), the files.
+    Dispatched(Arc<Dispatcher>, ClassId, Files),
+}
+
+impl Route {
+    fn files(&self) -> &Files {
+        match self {
+            Route::Direct(f) | Route::Plain(_, f) | Route::Dispatched(_, _, f) => f,
+        }
+    }
 }
 
 struct Ctx {
@@ -682,32 +677,16 @@ struct Ctx {
     busy: DiskBusy,
 }
 
-async fn read_once(
-    file: Arc<File>,
-    buf: AlignedBuf,
-    off: u64,
-) -> (AlignedBuf, std::io::Result<()>) {
-    let r = tokio::task::spawn_blocking(move || {
-        let mut buf = buf;
-        let r = file.read_exact_at(buf.as_mut_slice(), off);
-        (buf, r)
-    })
-    .await;
-    match r {
-        Ok(x) => x,
-        Err(e) => panic!("a read on the blocking pool failed: {e}"),
-    }
+/// A buffer of `len` bytes, each `fill`, for `ThrottledFile`.
+fn disk_buf(len: u64, fill: u8) -> Result<DiskBuf, BoxError> {
+    let mut b = DiskBuf::zeroed(len as usize)?;
+    b.fill(fill);
+    Ok(b)
 }
 
-async fn write_once(
-    file: Arc<File>,
-    buf: Arc<AlignedBuf>,
-    range: std::ops::Range<usize>,
-    off: u64,
-) -> std::io::Result<()> {
-    tokio::task::spawn_blocking(move || file.write_all_at(&buf.as_slice()[range], off))
-        .await
-        .unwrap_or_else(|e| Err(std::io::Error::other(e)))
+/// The dispatcher stopped: the phase is over for this driver.
+fn is_shutdown(e: &DiskError) -> bool {
+    matches!(e, DiskError::Dispatch(_) | DiskError::Submit(_))
 }
 
 /// Runs one slice of `phase`, `secs` seconds long, with a row per second.
@@ -726,9 +705,9 @@ async fn run_phase(
     let interval = Duration::from_secs_f64(args.fg_depth as f64 / args.fg_iops as f64);
     let start = Instant::now();
     for w in 0..args.fg_depth {
-        let (file, rec, stop, path) = (ctx.file.clone(), rec.clone(), stop.clone(), path.clone());
+        let (rec, stop, path) = (rec.clone(), stop.clone(), path.clone());
         let region = ctx.fg_region;
-        let mut buf = Some(AlignedBuf::new(READ_BYTES as usize, 0)?);
+        let mut buf = Some(disk_buf(READ_BYTES, 0)?);
         // The readers' first reads spread over one interval.
         let stagger = interval.mul_f64(w as f64 / args.fg_depth as f64);
         tasks.push(tokio::spawn(async move {
@@ -743,73 +722,69 @@ async fn run_phase(
                     next = now;
                 }
                 let off = region.0 + rng.below(slots) * READ_BYTES;
-                let b = buf.take().expect("buffer returned after each read");
-                let began = Instant::now();
-                let (b, r) = match &path {
-                    Route::Dispatched(d, fg, _) => {
-                        let file = file.clone();
-                        match d.submit(*fg, IoRequest::read(READ_BYTES), read_once(file, b, off)) {
-                            Ok(h) => match h.await {
-                                Ok(x) => x,
-                                Err(_) => return,
-                            },
-                            Err(_) => return,
-                        }
-                    }
-                    _ => read_once(file.clone(), b, off).await,
+                let b = match buf.take() {
+                    Some(b) => b,
+                    None => match disk_buf(READ_BYTES, 0) {
+                        Ok(b) => b,
+                        Err(_) => return,
+                    },
                 };
+                let began = Instant::now();
+                let r = path.files().0.read_at(b, off).await;
                 rec.fg_latency(began.elapsed());
-                if r.is_err() {
-                    rec.fg_errors.fetch_add(1, Ordering::Relaxed);
+                match r {
+                    Ok((b, n)) => {
+                        if n != READ_BYTES as usize {
+                            rec.fg_errors.fetch_add(1, Ordering::Relaxed);
+                        }
+                        buf = Some(b);
+                    }
+                    Err(e) if is_shutdown(&e) => return,
+                    Err(_) => {
+                        rec.fg_errors.fetch_add(1, Ordering::Relaxed);
+                    }
                 }
-                buf = Some(b);
             }
         }));
     }
     // Compaction writers.
     if !matches!(phase, Phase::Idle | Phase::IdleDispatched) {
-        let buf = Arc::new(AlignedBuf::new(ctx.bg_bytes as usize, 0xC0)?);
         let next_write = Arc::new(AtomicU64::new(0));
         let slots = ctx.bg_region.1 / ctx.bg_bytes;
         for _ in 0..args.bg_depth {
-            let (file, rec, stop, path) =
-                (ctx.file.clone(), rec.clone(), stop.clone(), path.clone());
-            let (buf, next_write) = (buf.clone(), next_write.clone());
+            let (rec, stop, path) = (rec.clone(), stop.clone(), path.clone());
+            let next_write = next_write.clone();
             let (base, bg_bytes) = (ctx.bg_region.0, ctx.bg_bytes);
+            let mut buf = Some(disk_buf(bg_bytes, 0xC0)?);
             tasks.push(tokio::spawn(async move {
                 while !stop.load(Ordering::Relaxed) {
                     // Relaxed: a lone counter handing out positions.
                     let n = next_write.fetch_add(1, Ordering::Relaxed) % slots;
                     let off = base + n * bg_bytes;
-                    let ok = match &path {
-                        Route::Direct => {
-                            write_once(file.clone(), buf.clone(), 0..bg_bytes as usize, off)
-                                .await
-                                .is_ok()
+                    // The plain limiter: the write's bytes first, held while it runs.
+                    let _permit = match &path {
+                        Route::Plain(t, _) => match t.acquire(bg_bytes).await {
+                            Ok(p) => Some(p),
+                            Err(_) => return,
+                        },
+                        _ => None,
+                    };
+                    let b = match buf.take() {
+                        Some(b) => b,
+                        None => match disk_buf(bg_bytes, 0xC0) {
+                            Ok(b) => b,
+                            Err(_) => return,
+                        },
+                    };
+                    let ok = match path.files().1.write_at(b, off).await {
+                        Ok(b) => {
+                            buf = Some(b);
+                            true
                         }
-                        Route::Plain(t) => {
-                            let Ok(_permit) = t.acquire(bg_bytes).await else {
-                                return;
-                            };
-                            write_once(file.clone(), buf.clone(), 0..bg_bytes as usize, off)
-                                .await
-                                .is_ok()
-                        }
-                        Route::Dispatched(d, _, bg) => {
-                            let h = d.submit_split(*bg, IoRequest::write(bg_bytes), |piece| {
-                                let r = piece.range.start as usize..piece.range.end as usize;
-                                write_once(file.clone(), buf.clone(), r, off + piece.range.start)
-                            });
-                            match h {
-                                Ok(h) => match h.await {
-                                    Ok(results) => results.iter().all(|r| r.is_ok()),
-                                    Err(_) => return,
-                                },
-                                Err(e) => {
-                                    eprintln!("cannot submit a compaction write: {e}");
-                                    return;
-                                }
-                            }
+                        Err(e) if is_shutdown(&e) => return,
+                        Err(e) => {
+                            eprintln!("compaction write: {e}");
+                            false
                         }
                     };
                     if ok {
@@ -824,7 +799,7 @@ async fn run_phase(
 
     // A row per second.
     let dispatcher = match &path {
-        Route::Dispatched(d, fg, bg) => Some((d.clone(), *fg, *bg)),
+        Route::Dispatched(d, fg, _) => Some((d.clone(), *fg)),
         _ => None,
     };
     let stats0 = match &dispatcher {
@@ -854,7 +829,7 @@ async fn run_phase(
         let bg = rec.bg_bytes.load(Ordering::Relaxed);
         let busy = ctx.busy.busy_ms();
         let fg_queue_p99 = match &dispatcher {
-            Some((d, fg, _)) => {
+            Some((d, fg)) => {
                 let s = d.stats().await;
                 let delta = s.since(last_stats.as_ref().expect("set with the dispatcher"));
                 last_stats = Some(s);
@@ -900,25 +875,15 @@ async fn run_phase(
     })
 }
 
-/// A few hundred reads by both routes, not recorded: the blocking pools' threads and the
-/// shard's first wake-ups are not what the phases measure.
-async fn warm_up(ctx: &Ctx, d: &Arc<Dispatcher>, fg: ClassId) -> Result<(), BoxError> {
-    let mut buf = AlignedBuf::new(READ_BYTES as usize, 0)?;
+/// A few hundred reads by each route, not recorded: the rings' and the shards' first
+/// wake-ups are not what the phases measure.
+async fn warm_up(ctx: &Ctx, routes: &[&Files]) -> Result<(), BoxError> {
+    let mut buf = disk_buf(READ_BYTES, 0)?;
     let slots = ctx.fg_region.1 / READ_BYTES;
     let mut rng = Rng(42);
-    for i in 0..400 {
+    for i in 0..200 * routes.len() {
         let off = rng.below(slots) * READ_BYTES;
-        let (b, r) = if i % 2 == 0 {
-            read_once(ctx.file.clone(), buf, off).await
-        } else {
-            let h = d.submit(
-                fg,
-                IoRequest::read(READ_BYTES),
-                read_once(ctx.file.clone(), buf, off),
-            )?;
-            h.await?
-        };
-        r?;
+        let (b, _) = routes[i % routes.len()].0.read_at(buf, off).await?;
         buf = b;
     }
     Ok(())
@@ -1080,8 +1045,8 @@ async fn real_disk_inner(
 
     let disk = match &args.properties {
         Some(p) => {
-            let (m, mount) = load_properties(p)?;
-            println!("  disk model from {} (mountpoint {mount})", p.display());
+            let m = DiskModel::from_properties(p)?;
+            println!("  disk model from {}", p.display());
             m
         }
         None => {
@@ -1118,9 +1083,47 @@ async fn real_disk_inner(
             .max(disk.disk_time(&IoRequest::write(64 << 10)))
             .min(goal),
     };
-    // One dispatcher for the iothrottle slices and an identical one for idle-disp, so that each
-    // one's stats cover its own phase.
-    let build = || -> Result<(Arc<Dispatcher>, ClassId, ClassId), BoxError> {
+    let bg_bound = match (args.no_bg_bound, args.bg_in_flight_us) {
+        (true, _) => None,
+        (false, Some(us)) => Some(Duration::from_micros(us)),
+        (false, None) => Some(goal / 2),
+    };
+    let file_options = |max_piece: u64| FileOptions {
+        write: true,
+        create: false,
+        max_piece: max_piece as usize,
+        // The scratch file was written in full: nothing to reserve.
+        reserve_writes: false,
+        ..FileOptions::default()
+    };
+    let files = |d: &Arc<Dispatcher>, fg: ClassId, bg: ClassId| -> Result<Files, BoxError> {
+        let piece = d
+            .max_piece(IoKind::Write)
+            .ok_or("the dispatcher's max cost is below one 4 KiB write")?
+            .min(bg_bytes);
+        let open = |class, piece| -> Result<ThrottledFile, BoxError> {
+            let f = file.try_clone()?;
+            Ok(ThrottledFile::from_file(
+                d.clone(),
+                class,
+                f,
+                &path,
+                file_options(piece),
+            )?)
+        };
+        Ok(Arc::new((open(fg, READ_BYTES)?, open(bg, piece)?)))
+    };
+    // One dispatcher for the iothrottle slices, an identical one for idle-disp (so that each
+    // one's stats cover its own phase), and one in latency-target mode.
+    let build = |target: Option<Duration>| -> Result<(Arc<Dispatcher>, ClassId, Files), BoxError> {
+        let mut fg = ClassConfig::new("foreground", args.shares.0);
+        if let Some(t) = target {
+            fg = fg.with_latency_target(t);
+        }
+        let mut bg = ClassConfig::new("compaction", args.shares.1);
+        if let Some(b) = bg_bound {
+            bg = bg.with_max_in_flight(b);
+        }
         let d = Dispatcher::builder()
             .disk(disk)
             .shards(args.shards)
@@ -1128,23 +1131,53 @@ async fn real_disk_inner(
             .latency_goal(goal)
             .capped(!args.uncapped)
             .max_cost(piece.as_nanos() as u64)
-            .class(ClassConfig::new("foreground", args.shares.0))
-            .class(ClassConfig::new("compaction", args.shares.1))
+            .class(fg)
+            .class(bg)
             .build()?;
         let (fg, bg) = (d.class_id("foreground"), d.class_id("compaction"));
         let (fg, bg) = (fg.expect("configured above"), bg.expect("configured above"));
-        Ok((Arc::new(d), fg, bg))
+        let d = Arc::new(d);
+        let f = files(&d, fg, bg)?;
+        Ok((d, fg, f))
     };
-    let (d, fg_class, bg_class) = build()?;
-    let (d_idle, _, _) = build()?;
+    let (d, fg_class, io_files) = build(None)?;
+    let (d_idle, _, idle_files) = build(None)?;
+    // Built when the target is known (after the first idle slice, unless given).
+    let mut target: Option<(Duration, Arc<Dispatcher>, Files)> = None;
+    let build_target = |t: Duration| -> Result<(Duration, Arc<Dispatcher>, Files), BoxError> {
+        let (d, _, f) = build(Some(t))?;
+        Ok((t, d, f))
+    };
+    if let Some(us) = args.target_us {
+        target = Some(build_target(Duration::from_micros(us))?);
+    }
+    // The unthrottled and plain phases' engine: io_uring through a dispatcher that never holds
+    // a request back (a modelled disk a thousand times faster than any, uncapped), one class,
+    // whole writes.
+    let engine = Arc::new(
+        Dispatcher::builder()
+            .disk(DiskModel::new(1 << 40, 1 << 40, 1 << 30, 1 << 30))
+            .shards(args.shards)
+            .pin_threads(false)
+            .capped(false)
+            .class(ClassConfig::new("all", 1))
+            .build()?,
+    );
+    let all = engine.class_id("all").expect("configured above");
+    let direct_files = files(&engine, all, all)?;
+    if direct_files.0.backend() != io_files.0.backend() {
+        return Err("the pass-through and the throttled files use different I/O backends".into());
+    }
     println!(
-        "  one 4 KiB read costs {} of disk time, one {} KiB write {}; latency goal {} ({}), pieces of at most {} KiB",
+        "  I/O on {:?}; one 4 KiB read costs {} of disk time, one {} KiB write {}; latency goal {} ({}), pieces of at most {} KiB, compaction in flight at most {}",
+        io_files.0.backend(),
         fmt_d(disk.disk_time(&IoRequest::read(READ_BYTES))),
         args.bg_kib,
         fmt_d(disk.disk_time(&IoRequest::write(bg_bytes))),
         fmt_d(goal),
         if args.uncapped { "uncapped" } else { "capped" },
         d.max_piece(IoKind::Write).map_or(0, |b| b / 1024),
+        bg_bound.map_or("unbounded".to_owned(), fmt_d),
     );
     println!(
         "  foreground: {} readers, {} reads/s in total; compaction: {} writes in flight; plain limiter at {:.1} MB/s; {} s per phase\n",
@@ -1157,13 +1190,13 @@ async fn real_disk_inner(
 
     let ctx = Ctx {
         busy: DiskBusy::new(&file),
-        file,
+        file: file.clone(),
         fg_region,
         bg_region,
         bg_bytes,
         interrupted,
     };
-    warm_up(&ctx, &d_idle, fg_class).await?;
+    warm_up(&ctx, &[&direct_files, &idle_files, &io_files]).await?;
     print_header();
     let mut rows = Vec::new();
     let mut results: Vec<PhaseResult> = Phase::ALL.iter().map(|p| PhaseResult::empty(*p)).collect();
@@ -1174,20 +1207,37 @@ async fn real_disk_inner(
         Phase::IdleDispatched,
         Phase::Plain,
         Phase::IoThrottle,
+        Phase::Target,
         Phase::Unthrottled,
     ];
     for (round, phase) in (1..=args.phase_secs).flat_map(|r| order.map(|p| (r, p))) {
         let path = match phase {
-            Phase::Idle | Phase::Unthrottled => Route::Direct,
+            Phase::Idle | Phase::Unthrottled => Route::Direct(direct_files.clone()),
             Phase::Plain => {
                 let cfg = BucketConfig::new(
                     Rate::per_second(args.plain_rate),
                     bg_bytes.max(args.plain_rate / 100),
                 );
-                Route::Plain(Throttle::<Uncapped>::new(cfg)?)
+                Route::Plain(Throttle::<Uncapped>::new(cfg)?, direct_files.clone())
             }
-            Phase::IoThrottle => Route::Dispatched(d.clone(), fg_class, bg_class),
-            Phase::IdleDispatched => Route::Dispatched(d_idle.clone(), fg_class, bg_class),
+            Phase::IoThrottle => Route::Dispatched(d.clone(), fg_class, io_files.clone()),
+            Phase::IdleDispatched => {
+                Route::Dispatched(d_idle.clone(), fg_class, idle_files.clone())
+            }
+            Phase::Target => {
+                if target.is_none() {
+                    let idle = &results[0];
+                    let t = q(&idle.fg, 0.99)
+                        .mul_f64(1.5)
+                        .max(Duration::from_micros(100));
+                    target = Some(build_target(t)?);
+                }
+                let (t, d, f) = target.as_ref().expect("built above");
+                if round == 1 {
+                    println!("  (latency target {})", fmt_d(*t));
+                }
+                Route::Dispatched(d.clone(), fg_class, f.clone())
+            }
         };
         if phase == Phase::Idle {
             settle(&ctx, args).await?;
@@ -1196,8 +1246,15 @@ async fn real_disk_inner(
         let i = Phase::ALL.iter().position(|p| *p == phase).expect("listed");
         results[i].add(&r);
     }
+    let bg_class = d.class_id("compaction").expect("configured above");
     d.shutdown();
     d_idle.shutdown();
+    let (target_p99, d_target) = match &target {
+        Some((t, d, _)) => (*t, d.clone()),
+        None => return Err("the target phase did not run".into()),
+    };
+    d_target.shutdown();
+    engine.shutdown();
     let stats_of = |d: &Dispatcher| {
         let s = d.stats_blocking();
         (
@@ -1207,6 +1264,7 @@ async fn real_disk_inner(
     };
     let (io_fg, io_bg) = stats_of(&d);
     let (idle_fg, _) = stats_of(&d_idle);
+    let (target_fg, target_bg) = stats_of(&d_target);
 
     // Side by side.
     println!();
@@ -1239,6 +1297,11 @@ async fn real_disk_inner(
             match r.phase {
                 Phase::IoThrottle => format!("fg {}", fmt_d(io_fg.queue_wait_p99())),
                 Phase::IdleDispatched => format!("fg {}", fmt_d(idle_fg.queue_wait_p99())),
+                Phase::Target => format!(
+                    "fg {} (target {})",
+                    fmt_d(target_fg.queue_wait_p99()),
+                    fmt_d(target_p99)
+                ),
                 _ => "–".to_owned(),
             },
         );
@@ -1252,6 +1315,7 @@ async fn real_disk_inner(
     for (name, f, b) in [
         ("idle-disp", &idle_fg, None),
         ("iothrottle", &io_fg, Some(&io_bg)),
+        ("target", &target_fg, Some(&target_bg)),
     ] {
         println!(
             "{name}, from the dispatcher's stats: fg queue wait p99 {}, service p99 {}, end to end p99 {}{}",
@@ -1288,7 +1352,7 @@ async fn real_disk_inner(
     println!("plot written to {}", args.plot.display());
     let us = |d: Duration| d.as_micros();
     println!(
-        "summary: idle_p99_us={} unthrottled_p99_us={} unthrottled_bg_mb_s={:.0} plain_p99_us={} plain_bg_mb_s={:.0} iothrottle_p99_us={} iothrottle_bg_mb_s={:.0}",
+        "summary: idle_p99_us={} unthrottled_p99_us={} unthrottled_bg_mb_s={:.0} plain_p99_us={} plain_bg_mb_s={:.0} iothrottle_p99_us={} iothrottle_bg_mb_s={:.0} target_p99_us={} target_bg_mb_s={:.0}",
         us(idle),
         us(p99(Phase::Unthrottled)),
         bw(Phase::Unthrottled),
@@ -1296,6 +1360,8 @@ async fn real_disk_inner(
         bw(Phase::Plain),
         us(io),
         bw(Phase::IoThrottle),
+        us(p99(Phase::Target)),
+        bw(Phase::Target),
     );
     std::io::stdout().flush()?;
     Ok(())
@@ -1309,6 +1375,7 @@ fn phase_color(p: Phase) -> plotters::style::RGBColor {
         Phase::Unthrottled => RGBColor(214, 39, 40),
         Phase::Plain => RGBColor(255, 127, 14),
         Phase::IoThrottle => RGBColor(31, 119, 180),
+        Phase::Target => RGBColor(23, 190, 207),
     }
 }
 

@@ -27,6 +27,7 @@ mod common;
 
 mod capped;
 mod checkpoint_mark;
+mod dispatcher_bound;
 mod dispatcher_fair;
 mod dispatcher_timer;
 mod fresh;

@@ -323,6 +323,12 @@ pub enum BuildError {
         /// The class's name.
         class: String,
     },
+    /// An in-flight bound of zero ([`ClassConfig::with_max_in_flight`](crate::dispatcher::ClassConfig::with_max_in_flight)).
+    #[error("class {class:?}: a bound on the disk time in flight must be positive")]
+    ZeroInFlightBound {
+        /// The class's name.
+        class: String,
+    },
     /// A [`DiskModel`](crate::dispatcher::DiskModel) figure is zero.
     #[error("the disk model's {field} must be positive")]
     ZeroDiskFigure {

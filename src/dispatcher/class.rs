@@ -12,6 +12,7 @@ use crate::bucket::{BucketConfig, Rate, SharedTokenBucket, Uncapped};
 use crate::error::BuildError;
 use crate::sync::Arc;
 
+use super::bound::InFlightBound;
 pub(crate) use super::fair::Ahead;
 use super::fair::Fairness;
 use super::latency::LatencyControl;
@@ -70,6 +71,7 @@ pub struct ClassConfig {
     bandwidth_cap: Option<u64>,
     priority: Priority,
     latency_target: Option<Duration>,
+    max_in_flight: Option<Duration>,
 }
 
 impl ClassConfig {
@@ -84,6 +86,7 @@ impl ClassConfig {
             bandwidth_cap: None,
             priority: Priority::Normal,
             latency_target: None,
+            max_in_flight: None,
         }
     }
 
@@ -107,6 +110,28 @@ impl ClassConfig {
     pub fn with_latency_target(mut self, p99: Duration) -> Self {
         self.latency_target = Some(p99);
         self
+    }
+
+    /// Bounds the class's disk time in flight: the requests of this class reserved or running
+    /// (dispatched, their futures not yet completed), on all shards together, cost at most
+    /// `disk_time` (in the disk model's tokens, one per nanosecond). A request that would go past
+    /// the bound waits for the class's completions; one request alone always goes, whatever
+    /// its cost, so a bound below one request's cost serialises the class instead of stalling
+    /// it.
+    ///
+    /// This is what keeps a latency goal for the *other* classes when the disk stalls this
+    /// one's requests: in capped mode the dispatcher's whole goal is shared by what is in
+    /// flight, and without a bound, stalled background writes can hold all of it, so a new
+    /// foreground read waits for them to complete. With the background bounded to a part of
+    /// the goal, the rest stays free for the foreground.
+    pub fn with_max_in_flight(mut self, disk_time: Duration) -> Self {
+        self.max_in_flight = Some(disk_time);
+        self
+    }
+
+    /// The bound on the class's disk time in flight, if any.
+    pub fn max_in_flight(&self) -> Option<Duration> {
+        self.max_in_flight
     }
 
     /// The p99 latency target, if any.
@@ -143,6 +168,11 @@ impl ClassConfig {
         }
         if self.latency_target == Some(Duration::ZERO) {
             return Err(BuildError::ZeroLatencyTarget {
+                class: self.name.clone(),
+            });
+        }
+        if self.max_in_flight == Some(Duration::ZERO) {
+            return Err(BuildError::ZeroInFlightBound {
                 class: self.name.clone(),
             });
         }
@@ -183,6 +213,9 @@ pub(crate) struct ClassShared {
     /// The bandwidth cap. Shards keep their own copy of the `Arc`, refreshed when the
     /// dispatcher's control generation changes, so the lock is off the hot path.
     cap: RwLock<Option<Arc<CapBucket>>>,
+    /// Tokens of this class reserved or running, all shards together, when the class has a
+    /// bound (see [`ClassConfig::with_max_in_flight`]).
+    in_flight: Option<InFlightBound>,
 }
 
 impl fmt::Debug for ClassShared {
@@ -219,9 +252,13 @@ impl Classes {
                 None => None,
                 Some(bps) => Some(Arc::new(cap_bucket(Rate::per_second(bps), clock)?)),
             };
+            let in_flight = config
+                .max_in_flight
+                .map(|d| InFlightBound::new(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)));
             classes.push(ClassShared {
                 config,
                 cap: RwLock::new(cap),
+                in_flight,
             });
         }
         let specs: Vec<_> = classes
@@ -327,6 +364,37 @@ impl Classes {
     /// See [`Fairness::cap_waiting`].
     pub(crate) fn cap_waiting(&self, class: usize, waiting: bool) {
         self.fair.cap_waiting(class, waiting);
+    }
+
+    /// Counts `cost` more tokens of `class` in flight if its bound allows it (always when
+    /// nothing of the class is in flight, and always for a class without a bound); `false`
+    /// when the request must wait for the class's completions.
+    pub(crate) fn try_start(&self, class: usize, cost: u64) -> bool {
+        match &self.classes[class].in_flight {
+            Some(b) => b.try_start(cost),
+            None => true,
+        }
+    }
+
+    /// `cost` tokens of `class` counted by [`try_start`](Self::try_start) completed or were
+    /// given back; `true` when the class has a bound (its waiting requests may go now).
+    pub(crate) fn finish(&self, class: usize, cost: u64) -> bool {
+        match self.classes.get(class).and_then(|c| c.in_flight.as_ref()) {
+            Some(b) => {
+                b.finish(cost);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Tests: the tokens of `class` in flight now.
+    #[cfg(test)]
+    pub(crate) fn in_flight(&self, class: usize) -> u64 {
+        self.classes[class]
+            .in_flight
+            .as_ref()
+            .map_or(0, InFlightBound::in_flight)
     }
 
     /// See [`Fairness::may_reserve`].

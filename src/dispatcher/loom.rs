@@ -4,5 +4,7 @@
 
 #[path = "alarm.rs"]
 pub mod alarm;
+#[path = "bound.rs"]
+pub mod bound;
 #[path = "fair.rs"]
 pub mod fair;

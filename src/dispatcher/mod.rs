@@ -45,6 +45,8 @@
 
 #[allow(unreachable_pub)] // `pub` for the loom build, which re-exports it (see `loom.rs`)
 pub(crate) mod alarm;
+#[allow(unreachable_pub)] // `pub` for the loom build, which re-exports it (see `loom.rs`)
+pub(crate) mod bound;
 mod budget;
 mod class;
 mod cost;

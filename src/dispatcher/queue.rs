@@ -13,6 +13,10 @@ use crate::sync::Arc;
 use super::class::{CapBucket, Classes};
 use super::stats::ClassRecorder;
 
+/// How long a shard waits at most before it looks again at a class held back by its in-flight
+/// bound (the class's completions wake it sooner; this only guards against a lost wake-up).
+const IN_FLIGHT_BACKSTOP: Duration = Duration::from_millis(1);
+
 /// What the dispatcher carries for a request: the user's future, or a test's marker.
 pub(crate) trait Payload {
     /// `true` when nobody waits for the result any more (the handle was dropped): the request
@@ -44,6 +48,10 @@ struct ClassQueue<P> {
     waiting: bool,
     /// The head entry's cap bytes are there.
     head_paid: bool,
+    /// The head entry waits for the class's in-flight bound: like a cap wait, the class does
+    /// not compete meanwhile (its stalled requests must not hold the other classes back
+    /// through fairness).
+    bound_wait: bool,
     /// This shard's copy of the class's cap bucket (refreshed by [`Queues::refresh`]).
     cap: Option<Arc<CapBucket>>,
 }
@@ -104,6 +112,7 @@ impl<P: Payload> Queues<P> {
                     cap_wait: None,
                     waiting: false,
                     head_paid: false,
+                    bound_wait: false,
                     cap: shared.cap(c),
                 })
                 .collect(),
@@ -204,11 +213,25 @@ impl<P: Payload> Queues<P> {
                 behind = Some(behind.map_or(a.tokens, |b| b.min(a.tokens)));
                 continue;
             }
+            // The class's bound on its disk time in flight: wait for its completions (they
+            // wake the shard; the backstop only guards against a lost wake-up).
+            let cost = self.classes[c].entries.front().expect("non-empty").cost;
+            if !shared.try_start(c, cost) {
+                if !self.classes[c].bound_wait {
+                    self.classes[c].bound_wait = true;
+                    self.sync_active(shared, c);
+                }
+                self.skipped[c] = true;
+                cap_wait = Some(cap_wait.map_or(IN_FLIGHT_BACKSTOP, |w| w.min(IN_FLIGHT_BACKSTOP)));
+                continue;
+            }
+            self.classes[c].bound_wait = false;
             // Latency-target mode: the other classes draw from the controller's budget (last,
             // so nothing is taken for a request that does not go).
             if let Some(lc) = shared.latency().filter(|lc| !lc.is_protected(c)) {
-                let cost = self.classes[c].entries.front().expect("non-empty").cost;
                 if let Err(wait) = lc.take(cost) {
+                    shared.finish(c, cost);
+                    self.sync_active(shared, c);
                     self.skipped[c] = true;
                     cap_wait = Some(cap_wait.map_or(wait, |w| w.min(wait)));
                     continue;
@@ -297,12 +320,13 @@ impl<P: Payload> Queues<P> {
     /// Keeps the class's shared backlog count in step with this queue.
     fn sync_active(&mut self, shared: &Classes, c: usize) {
         let q = &mut self.classes[c];
-        let waiting = !q.entries.is_empty() && q.cap_wait.is_some();
+        let held = q.cap_wait.is_some() || q.bound_wait;
+        let waiting = !q.entries.is_empty() && held;
         if waiting != q.waiting {
             q.waiting = waiting;
             shared.cap_waiting(c, waiting);
         }
-        let want = !q.entries.is_empty() && q.cap_wait.is_none();
+        let want = !q.entries.is_empty() && !held;
         if want != q.active {
             q.active = want;
             if want {

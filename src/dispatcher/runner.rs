@@ -137,8 +137,10 @@ impl Drop for Completion {
             lc.record(self.class, latency);
         }
         shared.budget.release(self.cost);
-        if shared.budget.is_capped() {
-            // Capacity came back: wake the shards that wait for it (every shard shares it).
+        let bounded = shared.classes.finish(self.class, self.cost);
+        if shared.budget.is_capped() || bounded {
+            // Capacity came back (the bucket's, or the class's in-flight bound): wake the
+            // shards that wait for it (every shard shares both).
             for n in &shared.released {
                 n.notify_one();
             }

@@ -174,6 +174,7 @@ impl<P: Payload> ShardCore<P> {
             let rec = &mut self.stats[e.class];
             if e.payload.is_cancelled() {
                 unused += e.cost;
+                self.shared.classes.finish(e.class, e.cost);
                 rec.cancelled += 1;
                 #[cfg(feature = "metrics")]
                 crate::metrics::class_unqueued(
@@ -202,6 +203,9 @@ impl<P: Payload> ShardCore<P> {
     pub(crate) fn drain(&mut self) -> Vec<Entry<P>> {
         let mut out = Vec::new();
         if let Some(res) = self.reservation.take() {
+            for e in &res.entries {
+                self.shared.classes.finish(e.class, e.cost);
+            }
             let unused: u64 = res.entries.iter().map(|e| e.cost).sum();
             if unused > 0 {
                 self.shared.budget.refund(unused);
@@ -232,6 +236,14 @@ impl<P: Payload> ShardCore<P> {
                 now.saturating_sub(submitted),
             );
         }
+    }
+
+    /// Tests: the tokens of the reservation waiting to be dispatched.
+    #[cfg(test)]
+    pub(crate) fn reserved_tokens(&self) -> u64 {
+        self.reservation
+            .as_ref()
+            .map_or(0, |r| r.entries.iter().map(|e| e.cost).sum())
     }
 
     /// A copy of this shard's per-class figures.
