@@ -5,10 +5,11 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::Arc;
 
+mod common;
+
+use common::disk::{dispatcher, rt};
 use iothrottle::disk::{calibrate, AlignedBuf, CalibrateOptions, FileOptions, ThrottledFile};
-use iothrottle::dispatcher::{ClassConfig, ClassId, DiskModel, Dispatcher};
 use iothrottle::error::{CalibrateError, DiskError};
 
 /// A small ext4 file system on a loop device, unmounted on drop.
@@ -57,27 +58,6 @@ fn run(cmd: &str, args: &[&str]) {
     );
 }
 
-fn dispatcher() -> (Arc<Dispatcher>, ClassId) {
-    let mut b = Dispatcher::builder()
-        .shards(1)
-        .pin_threads(false)
-        .capped(true)
-        .disk(DiskModel::new(
-            1_000_000_000,
-            1_000_000_000,
-            100_000,
-            100_000,
-        ));
-    let class = b.add_class(ClassConfig::new("io", 100)).unwrap();
-    (Arc::new(b.build().unwrap()), class)
-}
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .build()
-        .unwrap()
-}
-
 fn free_bytes(path: &Path) -> u64 {
     let c = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
     // SAFETY: all-zero is a valid statvfs; `c` is NUL-terminated and `st` writable.
@@ -91,7 +71,7 @@ fn free_bytes(path: &Path) -> u64 {
 #[test]
 fn full_disk_fails_the_write_before_writing_anything() {
     let Some(fs) = SmallFs::mount(8) else { return };
-    let (d, class) = dispatcher();
+    let (d, class) = dispatcher(true);
     let path = fs.mnt.join("data");
     let f = ThrottledFile::open(d.clone(), class, &path, FileOptions::read_write()).unwrap();
     let rt = rt();
@@ -133,7 +113,7 @@ fn full_disk_fails_the_write_before_writing_anything() {
 #[test]
 fn without_reservation_a_full_disk_leaves_a_half_written_write() {
     let Some(fs) = SmallFs::mount(8) else { return };
-    let (d, class) = dispatcher();
+    let (d, class) = dispatcher(true);
     let path = fs.mnt.join("data");
     let opts = FileOptions {
         reserve_writes: false,

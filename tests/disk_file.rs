@@ -6,31 +6,12 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+mod common;
+
+use common::disk::{dispatcher, rt};
 use iothrottle::disk::{AlignedBuf, Backend, FileOptions, Resolved, ThrottledFile, ALIGN};
-use iothrottle::dispatcher::{ClassConfig, ClassId, DiskModel, Dispatcher, IoRequest};
+use iothrottle::dispatcher::{ClassConfig, DiskModel, Dispatcher, IoRequest};
 use iothrottle::error::DiskError;
-
-fn dispatcher(capped: bool) -> (Arc<Dispatcher>, ClassId) {
-    let mut b = Dispatcher::builder()
-        .shards(1)
-        .pin_threads(false)
-        .capped(capped)
-        .disk(DiskModel::new(
-            1_000_000_000,
-            1_000_000_000,
-            100_000,
-            100_000,
-        ));
-    let class = b.add_class(ClassConfig::new("io", 100)).unwrap();
-    (Arc::new(b.build().unwrap()), class)
-}
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .build()
-        .unwrap()
-}
 
 fn scratch() -> tempfile::TempDir {
     tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap()

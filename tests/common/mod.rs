@@ -1,4 +1,5 @@
 //! Helpers shared by the integration tests. Each test binary uses a part of them.
 #![allow(dead_code, unreachable_pub)]
 
+pub mod disk;
 pub mod pg;

@@ -1,0 +1,32 @@
+//! The dispatcher and runtime the `disk_*` tests run their real I/O on.
+
+use std::sync::Arc;
+
+use iothrottle::dispatcher::{ClassConfig, ClassId, DiskModel, Dispatcher};
+
+/// One unpinned shard over a fast modelled disk (1 GB/s, 100k IOPS), one class `io`.
+pub fn dispatcher(capped: bool) -> (Arc<Dispatcher>, ClassId) {
+    let d = Dispatcher::builder()
+        .shards(1)
+        .pin_threads(false)
+        .capped(capped)
+        .disk(DiskModel::new(
+            1_000_000_000,
+            1_000_000_000,
+            100_000,
+            100_000,
+        ))
+        .class(ClassConfig::new("io", 100))
+        .build()
+        .unwrap();
+    let class = d.class_id("io").unwrap();
+    (Arc::new(d), class)
+}
+
+/// A current-thread runtime with timers, for the callers' side.
+pub fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap()
+}
