@@ -60,3 +60,33 @@ fn throttle_accuracy_only_that_matches_nothing_is_a_usage_error() {
 fn keyed_memory_zero_keys_is_a_usage_error() {
     usage_error("keyed_memory", &["--keys", "0"], "--keys");
 }
+
+/// The main job refuses a bad flag with a message naming it (exit 1), before measuring or
+/// writing anything: nothing on stdout.
+fn refused_before_work(name: &str, args: &[&str], flag: &str) {
+    let out = Command::new(example(name))
+        .args(args)
+        .output()
+        .expect("example runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success(), "{args:?} was accepted");
+    assert!(stderr.contains(flag), "{args:?}: {stderr}");
+    assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    assert!(stdout.is_empty(), "{args:?}: work started: {stdout}");
+}
+
+#[test]
+fn disk_throttle_refuses_bad_flags_before_any_work() {
+    refused_before_work("disk_throttle", &["--bg-kib", "100000000"], "--bg-kib");
+    refused_before_work("disk_throttle", &["--fg-depth", "0"], "--fg-depth");
+    refused_before_work(
+        "disk_throttle",
+        &["--plot", "/nonexistent/x.svg"],
+        "/nonexistent/x.svg",
+    );
+    let mounts = std::fs::read_to_string("/proc/mounts").unwrap_or_default();
+    if mounts.lines().any(|l| l.contains(" /dev/shm tmpfs ")) {
+        refused_before_work("disk_throttle", &["--dir", "/dev/shm"], "tmpfs");
+    }
+}
