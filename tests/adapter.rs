@@ -422,11 +422,8 @@ fn blocking_wrapper_on_a_manual_clock_keeps_the_rate_exactly() {
 fn blocking_threads_share_one_bucket_within_the_bound() {
     // Real time, no timing assertion: 4 threads × 40 KiB through a 10 MiB/s bucket all finish
     // and every byte arrives.
-    let throttle = BlockingThrottle::<Uncapped, _>::new(BucketConfig::new(
-        Rate::per_second(10 << 20),
-        16 << 10,
-    ))
-    .unwrap();
+    let throttle =
+        BlockingThrottle::new(BucketConfig::new(Rate::per_second(10 << 20), 16 << 10)).unwrap();
     let handles: Vec<_> = (0..4)
         .map(|_| {
             let t = throttle.clone();

@@ -58,8 +58,12 @@ impl<M: Mode, C: Clock> Clone for BlockingThrottle<M, C> {
     }
 }
 
-impl<M: Mode> BlockingThrottle<M, MonotonicClock> {
-    /// A blocking throttle over a new bucket on a [`MonotonicClock`].
+impl BlockingThrottle<Uncapped, MonotonicClock> {
+    /// A blocking throttle over a new uncapped bucket on a [`MonotonicClock`].
+    ///
+    /// A blocking throttle has no permit that comes back on completion, so it is uncapped: a
+    /// capped bucket (whose ceiling moves only on release) is shared through
+    /// [`from_bucket`](Self::from_bucket) by whoever releases it.
     pub fn new(config: BucketConfig) -> Result<Self, ConfigError> {
         Ok(Self::from_bucket(Arc::new(SharedTokenBucket::new(config)?)))
     }
@@ -149,9 +153,9 @@ impl<M: Mode, C: Clock> fmt::Debug for BlockingThrottle<M, C> {
 /// ```
 /// use std::io::{Read, Write};
 /// use iothrottle::adapter::BlockingThrottle;
-/// use iothrottle::{BucketConfig, Rate, Uncapped};
+/// use iothrottle::{BucketConfig, Rate};
 ///
-/// let throttle = BlockingThrottle::<Uncapped, _>::new(BucketConfig::new(Rate::per_second(1 << 30), 1 << 20))?;
+/// let throttle = BlockingThrottle::new(BucketConfig::new(Rate::per_second(1 << 30), 1 << 20))?;
 /// let mut out = throttle.wrap(Vec::new());
 /// out.write_all(b"hello")?;
 /// let mut back = String::new();
