@@ -23,21 +23,34 @@ use crate::sync::Arc;
 #[derive(Debug)]
 pub(crate) struct Live {
     pub(crate) client: Client,
-    stmts: Mutex<HashMap<String, Statement>>,
+    /// The few statements (at most a dozen) a limiter prepares, searched linearly: a lookup
+    /// compares lengths and then bytes, where a hash map hashed the whole text (about 2 KB for
+    /// the strict upsert) on every call.
+    stmts: Mutex<Vec<(String, Statement)>>,
 }
 
 impl Live {
     /// The prepared form of `sql`, prepared once per connection.
     pub(crate) async fn prepared(&self, sql: &str) -> Result<Statement, tokio_postgres::Error> {
-        if let Some(s) = self.stmts.lock().expect("statement cache").get(sql) {
-            return Ok(s.clone());
+        if let Some(s) = self.cached(sql) {
+            return Ok(s);
         }
         let s = self.client.prepare(sql).await?;
-        self.stmts
-            .lock()
-            .expect("statement cache")
-            .insert(sql.to_owned(), s.clone());
+        let mut stmts = self.stmts.lock().expect("statement cache");
+        // Two calls may have prepared it at once; keep the first.
+        if let Some((_, first)) = stmts.iter().find(|(t, _)| t == sql) {
+            return Ok(first.clone());
+        }
+        stmts.push((sql.to_owned(), s.clone()));
         Ok(s)
+    }
+
+    fn cached(&self, sql: &str) -> Option<Statement> {
+        let stmts = self.stmts.lock().expect("statement cache");
+        stmts
+            .iter()
+            .find(|(t, _)| t.len() == sql.len() && t == sql)
+            .map(|(_, s)| s.clone())
     }
 }
 
@@ -162,7 +175,7 @@ impl Conn {
             .await?;
         let live = Arc::new(Live {
             client,
-            stmts: Mutex::new(HashMap::new()),
+            stmts: Mutex::new(Vec::new()),
         });
         *self.live.lock().expect("connection slot") = Some(live.clone());
         Ok(live)
@@ -220,12 +233,60 @@ impl Conn {
     }
 }
 
-/// Several connections; each key always uses the same one, so one key's statements keep
-/// their order and queue on its row lock in one session, while different keys' statements
-/// (and their commits' WAL flushes) run in parallel on the server.
+/// Several connections with key affinity while a key is busy: all calls of a key that are
+/// in flight at once run on one session (so they keep their order and queue on the key's row
+/// lock in one backend, never in several), and a key with no call in flight goes to the
+/// session with the fewest calls in flight (ties: the key's hash decides, so a key keeps its
+/// session while the limiter is idle). A hot key therefore stays on one session, while
+/// distinct keys called at once spread over distinct sessions (with a fixed hash of the key,
+/// about a third of 8 keys shared a session with another key of the 8 sessions, and queued
+/// behind its commits).
 #[derive(Debug)]
 pub(crate) struct Pool {
     conns: Vec<Conn>,
+    busy: Mutex<Busy>,
+}
+
+/// Which session each key with calls in flight uses, and the calls in flight per session.
+#[derive(Debug, Default)]
+struct Busy {
+    /// key → (session, calls in flight); a key leaves when its last call ends.
+    keys: HashMap<Box<str>, (usize, usize)>,
+    /// Calls in flight per session.
+    load: Vec<usize>,
+}
+
+/// The session of a key for the length of one call (see [`Pool::for_key`]); the key's
+/// claim on it ends when this is dropped (the call finished or was cancelled).
+#[derive(Debug)]
+pub(crate) struct KeyConn<'a> {
+    pool: &'a Pool,
+    key: Option<Box<str>>,
+    idx: usize,
+}
+
+impl std::ops::Deref for KeyConn<'_> {
+    type Target = Conn;
+
+    fn deref(&self) -> &Conn {
+        &self.pool.conns[self.idx]
+    }
+}
+
+impl Drop for KeyConn<'_> {
+    fn drop(&mut self) {
+        let Some(key) = self.key.take() else {
+            return;
+        };
+        let mut busy = self.pool.busy.lock().expect("session assignment");
+        busy.load[self.idx] -= 1;
+        if let Some(e) = busy.keys.get_mut(&key) {
+            e.1 -= 1;
+            if e.1 == 0 {
+                busy.keys.remove(&key);
+            }
+        }
+    }
 }
 
 impl Pool {
@@ -237,17 +298,54 @@ impl Pool {
         for _ in 1..n {
             conns.push(Conn::lazy(config, options.clone())?);
         }
-        Ok(Pool { conns })
+        Ok(Pool::of(conns))
     }
 
-    /// The connection of `key`.
-    pub(crate) fn for_key(&self, key: &str) -> &Conn {
-        if self.conns.len() == 1 {
-            return &self.conns[0];
+    fn of(conns: Vec<Conn>) -> Pool {
+        let busy = Mutex::new(Busy {
+            keys: HashMap::new(),
+            load: vec![0; conns.len()],
+        });
+        Pool { conns, busy }
+    }
+
+    /// The connection of `key` for one call: the session its calls in flight use, or else
+    /// the least busy one. Hold the result for the whole call (e.g.
+    /// `pool.for_key(k).run(…).await` in one expression).
+    pub(crate) fn for_key(&self, key: &str) -> KeyConn<'_> {
+        let n = self.conns.len();
+        if n == 1 {
+            return KeyConn {
+                pool: self,
+                key: None,
+                idx: 0,
+            };
         }
-        // A fixed hash: a key keeps its connection for the life of the pool.
-        let h = BuildHasherDefault::<DefaultHasher>::default().hash_one(key);
-        &self.conns[(h % self.conns.len() as u64) as usize]
+        let mut busy = self.busy.lock().expect("session assignment");
+        let idx = match busy.keys.get_mut(key) {
+            Some(e) => {
+                e.1 += 1;
+                e.0
+            }
+            None => {
+                // A fixed hash: the first session looked at, so an idle limiter keeps each
+                // key on the same session.
+                let h = BuildHasherDefault::<DefaultHasher>::default().hash_one(key);
+                let start = (h % n as u64) as usize;
+                let idx = (0..n)
+                    .map(|i| (start + i) % n)
+                    .min_by_key(|&i| busy.load[i])
+                    .expect("at least one session");
+                busy.keys.insert(key.into(), (idx, 1));
+                idx
+            }
+        };
+        busy.load[idx] += 1;
+        KeyConn {
+            pool: self,
+            key: Some(key.into()),
+            idx,
+        }
     }
 
     /// The first connection (installation, settings).
@@ -261,5 +359,50 @@ impl Pool {
             .iter()
             .map(|c| c.stats.snapshot())
             .fold(super::PgStats::default(), |a, b| a.merge(b))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool(n: usize) -> Pool {
+        let conns = (0..n)
+            .map(|_| Conn::lazy("host=127.0.0.1 user=nobody", PgOptions::new()).unwrap())
+            .collect();
+        Pool::of(conns)
+    }
+
+    #[test]
+    fn keys_in_flight_share_a_session_others_take_the_least_busy() {
+        let p = pool(4);
+        let a1 = p.for_key("a");
+        let a2 = p.for_key("a");
+        assert_eq!(
+            a1.idx, a2.idx,
+            "one key's calls in flight share its session"
+        );
+        let others: Vec<_> = ["b", "c", "d"].iter().map(|k| p.for_key(k)).collect();
+        let mut used: Vec<usize> = others.iter().map(|c| c.idx).collect();
+        used.push(a1.idx);
+        used.sort();
+        used.dedup();
+        assert_eq!(used.len(), 4, "four keys at once on four sessions");
+        // A fifth key shares the least busy session: not a's (two calls).
+        let e = p.for_key("e");
+        assert_ne!(e.idx, a1.idx);
+        drop((a1, a2, others, e));
+        let busy = p.busy.lock().unwrap();
+        assert!(busy.keys.is_empty(), "{:?}", busy.keys);
+        assert!(busy.load.iter().all(|&l| l == 0), "{:?}", busy.load);
+    }
+
+    #[test]
+    fn an_idle_limiter_keeps_a_key_on_one_session() {
+        let p = pool(8);
+        let first = p.for_key("k").idx;
+        for _ in 0..10 {
+            assert_eq!(p.for_key("k").idx, first);
+        }
     }
 }
