@@ -2,8 +2,9 @@
 //! session to any call (issue 11, "a connection pool"): W workers calling strict mode, first on
 //! one hot key, then on W distinct keys, for S seconds each, two ways side by side:
 //!
-//! - `affine`: one limiter with `--sessions N` sessions; a key always uses the same session,
-//!   so a hot key's statements are pipelined on one session, one after the other;
+//! - `affine`: one limiter with `--sessions N` sessions; a key's calls in flight always share
+//!   one session (a key with none in flight takes the least busy one), so a hot key's
+//!   statements are pipelined on one session, one after the other;
 //! - `spread`: N limiters of one session each, calls handed out round-robin: what a pool
 //!   (deadpool, bb8) does; a hot key's statements run on N sessions at once and queue on its
 //!   row lock.

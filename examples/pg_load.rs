@@ -74,6 +74,10 @@ enum Mode {
     Leased,
     /// All three, one after the other, and the comparison.
     All,
+    /// Strict mode against the classic function in interleaved rounds (`--rounds`, the order
+    /// alternating), on one id and/or distinct ids (`--ids both`): per-round figures, medians
+    /// and ratios, with the load average of each round.
+    Compare,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -82,6 +86,8 @@ enum Ids {
     One,
     /// Each worker on its own id.
     Distinct,
+    /// `--mode compare` only: one id, then distinct ids, in one run.
+    Both,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -166,6 +172,9 @@ struct Args {
     /// Leased: the most keys kept locally.
     #[arg(long, default_value_t = 10_000)]
     max_keys: usize,
+    /// `--mode compare`: rounds per id setting (each runs every contender for `--seconds`).
+    #[arg(long, default_value_t = 5)]
+    rounds: usize,
 }
 
 #[derive(Debug, Default, Clone)]
@@ -191,7 +200,7 @@ impl Outcome {
 fn id_for(args: &Args, worker: usize, run: &str, mode: &str) -> String {
     match args.ids {
         Ids::One => format!("{run}-{mode}-hot"),
-        Ids::Distinct => format!("{run}-{mode}-{worker}"),
+        Ids::Distinct | Ids::Both => format!("{run}-{mode}-{worker}"),
     }
 }
 
@@ -380,7 +389,7 @@ async fn run_leased(url: &str, args: &Args, run: &str) -> Outcome {
     out.statements = statements;
     let ids = match args.ids {
         Ids::One => 1,
-        Ids::Distinct => args.workers as i64,
+        Ids::Distinct | Ids::Both => args.workers as i64,
     };
     // Every id starts with its burst; what was granted beyond it came from the refill.
     let beyond = out.granted as f64 - (ids * args.leased_burst) as f64;
@@ -476,6 +485,288 @@ async fn run_hot_keys(url: &str, args: &Args, run: &str) {
         100.0 * lo,
         100.0 * hi
     );
+}
+
+/// The contenders of `--mode compare`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Contender {
+    /// `SELECT rate_limiting_request($1, $2, $3)`, one connection per worker.
+    Classic,
+    /// `PgKeyedLimiter::request`, one limiter with one session per worker (the same sessions
+    /// and tasks as the classic function's clients).
+    Strict,
+    /// One `PgKeyedLimiter` shared by all workers, with `--connections` sessions.
+    StrictShared,
+}
+
+impl Contender {
+    fn name(self) -> &'static str {
+        match self {
+            Contender::Classic => "classic",
+            Contender::Strict => "strict",
+            Contender::StrictShared => "strict-shared",
+        }
+    }
+}
+
+/// The 1-minute load average (`/proc/loadavg`), or NaN.
+fn load_average() -> f64 {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split(' ').next()?.parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+/// Nanoseconds process `pid` (a server backend, or all threads of this process with `None`)
+/// has run on a CPU (`/proc/PID/task/*/schedstat`; 0 where it is not readable).
+fn cpu_ns(pid: Option<i32>) -> u64 {
+    let dir = match pid {
+        Some(p) => format!("/proc/{p}/task"),
+        None => "/proc/self/task".into(),
+    };
+    let Ok(tasks) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    tasks
+        .flatten()
+        .filter_map(|t| {
+            std::fs::read_to_string(t.path().join("schedstat"))
+                .ok()?
+                .split(' ')
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
+        .sum()
+}
+
+/// Server backends of `application_name = 'iothrottle'` (the limiters' sessions).
+async fn limiter_pids(c: &tokio_postgres::Client) -> Vec<i32> {
+    c.query(
+        "SELECT pid FROM pg_stat_activity WHERE application_name = 'iothrottle'",
+        &[],
+    )
+    .await
+    .expect("pg_stat_activity")
+    .iter()
+    .map(|r| r.get(0))
+    .collect()
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    if n == 0 {
+        f64::NAN
+    } else if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// `--mode compare`: strict mode against the classic function, side by side in one process.
+/// Every session is opened and every statement prepared before the first round; each round
+/// runs every contender for `--seconds` on fresh ids, the order rotating from round to round
+/// (so neither always runs first after a pause or always follows the other's WAL); the
+/// summary gives the median calls per second and the median of the per-round ratios.
+async fn run_compare(url: &str, args: &Args, run: &str) {
+    let setup = PgKeyedLimiter::connect(url, options(args))
+        .await
+        .expect("connect");
+    setup.install().await.expect("install");
+    setup
+        .install_classic_function()
+        .await
+        .expect("install the classic function");
+    let schema = Schema::new(&args.schema).expect("schema name");
+    let sql = schema.sql("SELECT {s}.rate_limiting_request($1, $2, $3)");
+    let watch = connect(url, args).await;
+    let before = limiter_pids(&watch).await;
+    let mut classic = Vec::new();
+    let mut strict = Vec::new();
+    // The server backends of each contender, for CPU time per call.
+    let mut pids: [Vec<i32>; 3] = Default::default();
+    for w in 0..args.workers {
+        let c = connect(url, args).await;
+        pids[0].push(
+            c.query_one("SELECT pg_backend_pid()", &[])
+                .await
+                .expect("pid")
+                .get(0),
+        );
+        let st = c.prepare(&sql).await.expect("prepare");
+        let warm = format!("{run}-warm-classic-{w}");
+        c.query_one(&st, &[&warm, &args.refill, &args.window])
+            .await
+            .expect("warm-up call");
+        classic.push(Arc::new((c, st)));
+        let l = PgKeyedLimiter::connect(url, options(args).with_connections(1))
+            .await
+            .expect("connect");
+        l.request(&format!("{run}-warm-strict-{w}"), args.refill, args.window)
+            .await
+            .expect("warm-up call");
+        strict.push(Arc::new(l));
+    }
+    pids[1] = limiter_pids(&watch)
+        .await
+        .into_iter()
+        .filter(|p| !before.contains(p))
+        .collect();
+    let shared = Arc::new(
+        PgKeyedLimiter::connect(url, options(args))
+            .await
+            .expect("connect"),
+    );
+    // Open (and prepare on) every session of the shared limiter: keys hash to sessions, so
+    // enough distinct warm-up keys reach all of them.
+    for i in 0..args.connections * 16 {
+        shared
+            .request(&format!("{run}-warm-shared-{i}"), args.refill, args.window)
+            .await
+            .expect("warm-up call");
+    }
+    pids[2] = limiter_pids(&watch)
+        .await
+        .into_iter()
+        .filter(|p| !before.contains(p) && !pids[1].contains(p))
+        .collect();
+    let contenders = [
+        Contender::Classic,
+        Contender::Strict,
+        Contender::StrictShared,
+    ];
+    let settings: &[Ids] = match args.ids {
+        Ids::One => &[Ids::One],
+        Ids::Distinct => &[Ids::Distinct],
+        Ids::Both => &[Ids::One, Ids::Distinct],
+    };
+    println!(
+        "\ncompare: {} workers, {} rounds of {} s per contender, {:?}, synchronous_commit={}, \
+         refill {}/s, window {} s, shared limiter with {} sessions",
+        args.workers,
+        args.rounds,
+        args.seconds,
+        args.isolation,
+        if args.async_commit { "off" } else { "on" },
+        args.refill,
+        args.window,
+        args.connections,
+    );
+    println!(
+        "server sessions: classic {}, strict {}, strict-shared {}",
+        pids[0].len(),
+        pids[1].len(),
+        pids[2].len()
+    );
+    println!("\n| ids | round | order | classic calls/s | strict calls/s | strict-shared calls/s | strict / classic | strict-shared / classic | load |");
+    println!("|---|---:|---|---:|---:|---:|---:|---:|---:|");
+    let mut summary = Vec::new();
+    for &ids in settings {
+        let mut cps: Vec<Vec<f64>> = vec![Vec::new(); contenders.len()];
+        let mut ratios: Vec<Vec<f64>> = vec![Vec::new(); contenders.len()];
+        let mut loads = Vec::new();
+        // CPU nanoseconds (server backends, this process) and calls, per contender.
+        let mut cpu = [(0u64, 0u64, 0u64); 3];
+        for round in 0..args.rounds {
+            let mut order = contenders.to_vec();
+            order.rotate_left(round % contenders.len());
+            let mut got = [0.0f64; 3];
+            for &c in &order {
+                let id = |w: usize| match ids {
+                    Ids::One => format!("{run}-{}-{round}-hot", c.name()),
+                    _ => format!("{run}-{}-{round}-{w}", c.name()),
+                };
+                let i = contenders.iter().position(|&x| x == c).expect("contender");
+                let server_cpu = |pids: &[i32]| pids.iter().map(|&p| cpu_ns(Some(p))).sum::<u64>();
+                let (server0, client0) = (server_cpu(&pids[i]), cpu_ns(None));
+                let end = Instant::now() + Duration::from_secs_f64(args.seconds);
+                let start = Instant::now();
+                let mut tasks = Vec::new();
+                for w in 0..args.workers {
+                    let id = id(w);
+                    let (refill, window) = (args.refill, args.window);
+                    let (classic, strict, shared) =
+                        (classic[w].clone(), strict[w].clone(), shared.clone());
+                    tasks.push(tokio::spawn(async move {
+                        let mut calls = 0u64;
+                        while Instant::now() < end {
+                            let ok = match c {
+                                Contender::Classic => classic
+                                    .0
+                                    .query_one(&classic.1, &[&id, &refill, &window])
+                                    .await
+                                    .is_ok(),
+                                Contender::Strict => {
+                                    strict.request(&id, refill, window).await.is_ok()
+                                }
+                                Contender::StrictShared => {
+                                    shared.request(&id, refill, window).await.is_ok()
+                                }
+                            };
+                            assert!(ok, "{} call failed", c.name());
+                            calls += 1;
+                        }
+                        calls
+                    }));
+                }
+                let mut calls = 0;
+                for t in tasks {
+                    calls += t.await.expect("worker");
+                }
+                got[i] = calls as f64 / start.elapsed().as_secs_f64();
+                cpu[i].0 += server_cpu(&pids[i]) - server0;
+                cpu[i].1 += cpu_ns(None) - client0;
+                cpu[i].2 += calls;
+            }
+            let load = load_average();
+            loads.push(load);
+            for i in 0..contenders.len() {
+                cps[i].push(got[i]);
+                ratios[i].push(got[i] / got[0]);
+            }
+            println!(
+                "| {ids:?} | {round} | {} | {:.0} | {:.0} | {:.0} | {:.2} | {:.2} | {load:.1} |",
+                order
+                    .iter()
+                    .map(|c| c.name())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                got[0],
+                got[1],
+                got[2],
+                got[1] / got[0],
+                got[2] / got[0],
+            );
+        }
+        let load = median(&mut loads);
+        for (i, c) in contenders.iter().enumerate() {
+            let r = ratios[i].clone();
+            let (server, client, calls) = cpu[i];
+            summary.push((
+                c.name(),
+                ids,
+                median(&mut cps[i]),
+                median(&mut ratios[i]),
+                r,
+                load,
+                server as f64 / 1e3 / calls.max(1) as f64,
+                client as f64 / 1e3 / calls.max(1) as f64,
+            ));
+        }
+    }
+    println!("\n| mode | ids | calls/s (median) | ratio to classic (median of rounds) | ratios per round | server CPU µs/call | client CPU µs/call | load average (median) |");
+    println!("|---|---|---:|---:|---|---:|---:|---:|");
+    for (name, ids, cps, ratio, all, load, server, client) in summary {
+        println!(
+            "| {name} | {ids:?} | {cps:.0} | {ratio:.2} | {} | {server:.1} | {client:.1} | {load:.1} |",
+            all.iter()
+                .map(|r| format!("{r:.2}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
 }
 
 /// `--spawn N`: N OS processes (this program with `--child-key`) on one key; the total they
@@ -810,6 +1101,10 @@ async fn main() {
         run_hot_keys(&url, &args, &run).await;
         return;
     }
+    if args.mode == Mode::Compare {
+        run_compare(&url, &args, &run).await;
+        return;
+    }
     if args.spawn > 0 {
         for m in [Mode::Strict, Mode::Leased] {
             if args.mode == m || args.mode == Mode::All {
@@ -824,6 +1119,7 @@ async fn main() {
         Mode::Strict => &[Mode::Strict],
         Mode::Classic => &[Mode::Classic],
         Mode::Leased => &[Mode::Leased],
+        Mode::Compare => unreachable!(),
     };
     let mut outcomes = Vec::new();
     for m in modes {
@@ -832,7 +1128,7 @@ async fn main() {
             Mode::Classic => run_reference(&url, &args, &run, true).await,
             Mode::Strict => run_strict(&url, &args, &run).await,
             Mode::Leased => run_leased(&url, &args, &run).await,
-            Mode::All => unreachable!(),
+            Mode::All | Mode::Compare => unreachable!(),
         };
         eprintln!("{}: done", o.mode);
         outcomes.push(o);

@@ -597,13 +597,19 @@ pub enum PgLimitError {
     /// The connection failed or was closed while a statement was in flight. Whether that
     /// statement committed is unknown; the next call reconnects.
     #[error(
-        "connection to PostgreSQL lost (the outcome of the call is unknown): {}",
-        pg_error_text(.source)
+        "connection to PostgreSQL lost (the outcome of the call is unknown): {}{}",
+        pg_error_text(.source),
+        .closed_by.as_ref().map(|r| format!(" (the server closed the session: {r})")).unwrap_or_default()
     )]
     Connection {
         /// The driver's error.
         #[source]
         source: tokio_postgres::Error,
+        /// For a call queued on a session that the server closed, the server's reason as
+        /// another call on that session received it: SQLSTATE, severity and message
+        /// (`57P01 FATAL: terminating connection due to administrator command`). `None` when
+        /// `source` carries the server's error itself, or the server sent none.
+        closed_by: Option<String>,
     },
     /// A call took longer than its timeout; its outcome is unknown, and its connection was
     /// dropped (the next call reconnects).

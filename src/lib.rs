@@ -92,6 +92,8 @@
 //! - `postgres` (off by default): PostgreSQL backends through `tokio-postgres` (implies `rt`).
 //! - `postgres-tls` (off by default): TLS for those backends through `tokio-postgres-rustls`
 //!   (rustls with the `ring` provider); implies `postgres`.
+//! - `postgres-pool` (off by default): limiters over the caller's `deadpool_postgres::Pool`
+//!   (`PgKeyedLimiter::from_pool`, `PgWindowLimiter::from_pool`); implies `postgres`.
 //! - `metrics` (off by default): per-class and per-throttle metrics through the `metrics`
 //!   facade; nothing of it is compiled when off.
 //!

@@ -299,3 +299,138 @@ async fn reconnecting_backs_off_and_says_why() {
         }
     }
 }
+
+/// How the server closes the session in [`queued_calls_say_why`].
+#[derive(Clone, Copy, Debug)]
+enum CloseBy {
+    /// `pg_terminate_backend` of the limiter's session.
+    Terminate,
+    /// An immediate shutdown of the whole server (`pg_ctl stop -m immediate`: SIGQUIT to
+    /// the postmaster; every session gets a `57P01` warning and is cut).
+    StopImmediate,
+}
+
+/// The defect: calls pipelined on a session behind the statement that received the server's
+/// `57P01` reported only "connection closed". Three calls on one session: the first waits on
+/// a row lock, two more are queued behind it; the server closes the session. Every call must
+/// say why: the first through the server's error itself, the queued ones through
+/// `closed_by`.
+async fn queued_calls_say_why(name: &str, how: CloseBy) {
+    let Some(pg) = cluster_or_skip(name) else {
+        return;
+    };
+    let l = Arc::new(
+        PgKeyedLimiter::connect(
+            &pg.connection_string(),
+            PgOptions::new().with_connections(1),
+        )
+        .await
+        .unwrap(),
+    );
+    l.install().await.unwrap();
+    for k in ["k", "q1", "q2"] {
+        l.request_n_at(k, 1, 100, 1, t0()).await.unwrap();
+    }
+    let blocker = client(&pg).await;
+    blocker
+        .batch_execute("BEGIN; UPDATE iothrottle.token_bucket SET granted = 0 WHERE id = 'k'")
+        .await
+        .unwrap();
+    let first = {
+        let l = l.clone();
+        tokio::spawn(async move { l.request_n_at("k", 1, 100, 1, t0()).await })
+    };
+    let pid = waiting_backend(&blocker).await;
+    let queued: Vec<_> = ["q1", "q2"]
+        .into_iter()
+        .map(|k| {
+            let l = l.clone();
+            tokio::spawn(async move { l.request_n_at(k, 1, 100, 1, t0()).await })
+        })
+        .collect();
+    // Both queued calls have started (counted) and, once they had their turn on the
+    // runtime, been written to the session behind the blocked statement.
+    while l.stats().calls < 6 {
+        tokio::task::yield_now().await;
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    match how {
+        CloseBy::Terminate => {
+            let killer = client(&pg).await;
+            killer
+                .execute("SELECT pg_terminate_backend($1)", &[&pid])
+                .await
+                .unwrap();
+        }
+        CloseBy::StopImmediate => {
+            let pid = std::fs::read_to_string(pg.data_dir().join("postmaster.pid")).unwrap();
+            let pid = pid.lines().next().unwrap().trim().to_owned();
+            let quit = std::process::Command::new("kill")
+                .args(["-QUIT", &pid])
+                .status()
+                .unwrap();
+            assert!(quit.success());
+        }
+    }
+    let first = first.await.unwrap().unwrap_err();
+    let text = first.to_string();
+    eprintln!("{how:?}, the blocked call: {text}");
+    match how {
+        CloseBy::Terminate => assert!(
+            matches!(
+                first,
+                PgLimitError::Connection {
+                    closed_by: None,
+                    ..
+                }
+            ),
+            "{first:?}"
+        ),
+        CloseBy::StopImmediate => assert!(
+            matches!(
+                first,
+                PgLimitError::Connection {
+                    closed_by: Some(_),
+                    ..
+                }
+            ),
+            "{first:?}"
+        ),
+    }
+    assert!(text.contains("57P01"), "{text}");
+    for q in queued {
+        let e = q.await.unwrap().unwrap_err();
+        let text = e.to_string();
+        eprintln!("{how:?}, a queued call: {text}");
+        match &e {
+            PgLimitError::Connection {
+                closed_by: Some(reason),
+                ..
+            } => assert!(
+                reason.starts_with("57P01 ") && reason.contains("terminating connection"),
+                "{reason}"
+            ),
+            other => panic!("a queued call must carry the server's reason: {other:?} ({text})"),
+        }
+        assert!(text.contains("57P01"), "{text}");
+        assert!(text.contains("the server closed the session"), "{text}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queued_calls_carry_the_reason_of_a_terminated_session() {
+    queued_calls_say_why(
+        "queued_calls_carry_the_reason_of_a_terminated_session",
+        CloseBy::Terminate,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queued_calls_carry_the_reason_of_an_immediate_server_stop() {
+    queued_calls_say_why(
+        "queued_calls_carry_the_reason_of_an_immediate_server_stop",
+        CloseBy::StopImmediate,
+    )
+    .await;
+}

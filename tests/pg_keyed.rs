@@ -605,3 +605,75 @@ async fn durable_commits_do_not_depend_on_the_server_setting() {
         "off"
     );
 }
+
+/// The defect: with a fixed hash of the key choosing the session, distinct keys called at once
+/// could share a session and queue behind each other's statements (and commits) while other
+/// sessions sat idle — strict mode on distinct ids ran below the classic function's calls/s.
+/// Four keys that the old hash put on one session, each stuck on a row lock held by another
+/// transaction, must now wait in four sessions (the old code: one waits, three are queued
+/// behind it on its session, and this test never sees four waiters).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn distinct_keys_in_flight_do_not_share_a_session() {
+    use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+    use std::sync::Arc;
+    let Some(pg) = cluster_or_skip("distinct_keys_in_flight_do_not_share_a_session") else {
+        return;
+    };
+    let l = Arc::new(limiter(&pg, PgOptions::new().with_connections(4)).await);
+    // Four keys with the same slot under the old rule (`hash(key) % 4`).
+    let slot = |k: &str| BuildHasherDefault::<DefaultHasher>::default().hash_one(k) % 4;
+    let keys: Vec<String> = (0..)
+        .map(|i| format!("k{i}"))
+        .filter(|k| slot(k) == 0)
+        .take(4)
+        .collect();
+    for k in &keys {
+        l.request_n_at(k, 1, 100, 1, t0()).await.unwrap();
+    }
+    let blocker = client(&pg).await;
+    let list = keys
+        .iter()
+        .map(|k| format!("'{k}'"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    blocker
+        .batch_execute(&format!(
+            "BEGIN; UPDATE iothrottle.token_bucket SET granted = 0 WHERE id IN ({list})"
+        ))
+        .await
+        .unwrap();
+    let calls: Vec<_> = keys
+        .iter()
+        .map(|k| {
+            let (l, k) = (l.clone(), k.clone());
+            tokio::spawn(async move { l.request_n_at(&k, 1, 100, 1, t0()).await })
+        })
+        .collect();
+    let watch = client(&pg).await;
+    // Waits for the state "four sessions wait on the lock" (bounded, so the old code fails
+    // instead of hanging; no timing is asserted).
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let mut waiting = 0;
+    while waiting < 4 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "only {waiting} of 4 keys' calls reached the server: the others are queued behind \
+             them on a shared session"
+        );
+        waiting = watch
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'iothrottle' \
+                 AND wait_event_type = 'Lock'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get::<_, i64>(0);
+        tokio::time::sleep(ms(10)).await;
+    }
+    blocker.batch_execute("COMMIT").await.unwrap();
+    for c in calls {
+        // Each key had 99 left; one more taken.
+        assert_eq!(c.await.unwrap().unwrap(), 98);
+    }
+}

@@ -7,6 +7,7 @@ mod checkpoint;
 mod disk;
 mod dispatcher;
 mod keyed;
+mod pg;
 mod throttle;
 
 criterion::criterion_main!(
@@ -15,5 +16,6 @@ criterion::criterion_main!(
     checkpoint::benches,
     dispatcher::benches,
     keyed::benches,
+    pg::benches,
     throttle::benches
 );

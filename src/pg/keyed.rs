@@ -144,7 +144,32 @@ impl PgKeyedLimiter {
     pub async fn connect(config: &str, options: PgOptions) -> Result<Self, PgLimitError> {
         let schema = Schema::new(options.schema())?;
         let pool = Pool::connect(config, options).await?;
-        Ok(PgKeyedLimiter {
+        Ok(Self::with_sessions(pool, schema))
+    }
+
+    /// Takes its sessions from the caller's `deadpool_postgres::Pool` (feature
+    /// `postgres-pool`) instead of connecting itself: the pool opens them (with its own
+    /// configuration and TLS) and health-checks them when they are checked out; the limiter
+    /// keeps up to [`PgOptions::with_connections`] of them checked out (so the pool's
+    /// `max_size` must leave room for them), applies its session settings, keeps a key's
+    /// calls in flight on one of them, and never gives one back: a session that was lost,
+    /// timed out, or outlived the limiter is detached from the pool and closed (it carries
+    /// the limiter's settings, and a timed-out statement may still run on it). Reconnecting
+    /// backs off as with [`connect`](Self::connect); the TLS option is used only for cancel
+    /// requests, so give the pool's TLS configuration there too.
+    #[cfg(feature = "postgres-pool")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "postgres-pool")))]
+    pub async fn from_pool(
+        pool: deadpool_postgres::Pool,
+        options: PgOptions,
+    ) -> Result<Self, PgLimitError> {
+        let schema = Schema::new(options.schema())?;
+        let pool = Pool::from_pool(pool, options).await?;
+        Ok(Self::with_sessions(pool, schema))
+    }
+
+    fn with_sessions(pool: Pool, schema: Schema) -> Self {
+        PgKeyedLimiter {
             take_sql: [
                 schema.sql(&take_statement(false, false)),
                 schema.sql(&take_statement(false, true)),
@@ -155,7 +180,7 @@ impl PgKeyedLimiter {
             give_back_sql: schema.sql(GIVE_BACK_SQL),
             pool,
             schema,
-        })
+        }
     }
 
     /// The schema this limiter uses.

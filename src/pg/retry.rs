@@ -173,6 +173,11 @@ impl Stats {
         }
     }
 
+    pub(crate) fn count_connection_error(&self) {
+        // Relaxed: statistics.
+        self.connection_errors.fetch_add(1, Ordering::Relaxed);
+    }
+
     pub(crate) fn count_connect(&self) {
         // Relaxed: statistics.
         self.connects.fetch_add(1, Ordering::Relaxed);
@@ -229,7 +234,10 @@ pub(crate) fn classify(e: &tokio_postgres::Error) -> Class {
 /// Turns a driver error into the typed error (no retry decision).
 pub(crate) fn typed(e: tokio_postgres::Error) -> PgLimitError {
     match classify(&e) {
-        Class::Connection => PgLimitError::Connection { source: e },
+        Class::Connection => PgLimitError::Connection {
+            source: e,
+            closed_by: None,
+        },
         _ => PgLimitError::Db {
             sqlstate: e
                 .code()

@@ -10,8 +10,68 @@
 
 use std::fmt;
 
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio_postgres::config::SslMode;
-use tokio_postgres::{CancelToken, Client, Config, NoTls};
+use tokio_postgres::error::DbError;
+use tokio_postgres::{AsyncMessage, CancelToken, Client, Config, Connection, NoTls};
+
+use crate::sync::Arc;
+
+/// Told by a connection's task why the server closed the session, and when the task ended.
+pub(crate) trait SessionWatch: Send + Sync + 'static {
+    /// The server's reason (`57P01 FATAL: terminating connection due to …`).
+    fn reason(&self, text: String);
+    /// The connection's task has ended (after any [`reason`](Self::reason)).
+    fn ended(&self);
+}
+
+/// SQLSTATE, severity and message of a server error or notice.
+fn db_text(e: &DbError) -> String {
+    format!("{} {}: {}", e.code().code(), e.severity(), e.message())
+}
+
+/// Whether `e` says the session is being closed: `57P01`–`57P03` or class `08`.
+fn closes_session(e: &DbError) -> bool {
+    let c = e.code().code();
+    c.starts_with("57P") || c.starts_with("08")
+}
+
+/// Runs a connection to its end, reporting to `watch` (see [`Tls::connect_watched`]).
+async fn drive<S, T>(
+    mut connection: Connection<S, T>,
+    what: &'static str,
+    watch: Option<Arc<dyn SessionWatch>>,
+) where
+    S: AsyncRead + AsyncWrite + Unpin,
+    T: AsyncRead + AsyncWrite + Unpin,
+{
+    loop {
+        match std::future::poll_fn(|cx| connection.poll_message(cx)).await {
+            Some(Ok(AsyncMessage::Notice(n))) => {
+                if closes_session(&n) {
+                    if let Some(w) = &watch {
+                        w.reason(db_text(&n));
+                    }
+                }
+                tracing::debug!(notice = %db_text(&n), "{what} connection notice");
+            }
+            Some(Ok(_)) => {}
+            Some(Err(e)) => {
+                if let (Some(w), Some(db)) = (&watch, e.as_db_error()) {
+                    if closes_session(db) {
+                        w.reason(db_text(db));
+                    }
+                }
+                tracing::debug!(error = %e, "{what} connection ended");
+                break;
+            }
+            None => break,
+        }
+    }
+    if let Some(w) = &watch {
+        w.ended();
+    }
+}
 
 /// The TLS choice of a connection.
 #[derive(Clone, Default)]
@@ -52,24 +112,29 @@ impl Tls {
         config: &Config,
         what: &'static str,
     ) -> Result<Client, tokio_postgres::Error> {
+        self.connect_watched(config, what, None).await
+    }
+
+    /// [`connect`](Self::connect), telling `watch` the server's reason when it closes the
+    /// session (an error or notice with SQLSTATE class `57P` or `08` that no statement
+    /// received, e.g. `57P01` on an idle session or the `WARNING` an immediate shutdown
+    /// sends) and, after that, that the connection's task has ended.
+    pub(crate) async fn connect_watched(
+        &self,
+        config: &Config,
+        what: &'static str,
+        watch: Option<Arc<dyn SessionWatch>>,
+    ) -> Result<Client, tokio_postgres::Error> {
         match self {
             Tls::Off => {
                 let (client, connection) = config.connect(NoTls).await?;
-                tokio::spawn(async move {
-                    if let Err(e) = connection.await {
-                        tracing::debug!(error = %e, "{what} connection ended");
-                    }
-                });
+                tokio::spawn(drive(connection, what, watch));
                 Ok(client)
             }
             #[cfg(feature = "postgres-tls")]
             Tls::Rustls { make, .. } => {
                 let (client, connection) = config.connect(make.clone()).await?;
-                tokio::spawn(async move {
-                    if let Err(e) = connection.await {
-                        tracing::debug!(error = %e, "{what} connection ended");
-                    }
-                });
+                tokio::spawn(drive(connection, what, watch));
                 Ok(client)
             }
         }

@@ -134,14 +134,33 @@ impl PgWindowLimiter {
     pub async fn connect(config: &str, options: PgOptions) -> Result<Self, PgLimitError> {
         let schema = Schema::new(options.schema())?;
         let conn = Conn::connect(config, options).await?;
-        Ok(PgWindowLimiter {
+        Ok(Self::with_conn(conn, schema))
+    }
+
+    /// Takes its session from the caller's `deadpool_postgres::Pool` (feature
+    /// `postgres-pool`), as [`PgKeyedLimiter::from_pool`](super::PgKeyedLimiter::from_pool)
+    /// does: one session checked out and kept, never given back.
+    #[cfg(feature = "postgres-pool")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "postgres-pool")))]
+    pub async fn from_pool(
+        pool: deadpool_postgres::Pool,
+        options: PgOptions,
+    ) -> Result<Self, PgLimitError> {
+        let schema = Schema::new(options.schema())?;
+        let conn = Conn::pooled(pool, options)?;
+        conn.live().await?;
+        Ok(Self::with_conn(conn, schema))
+    }
+
+    fn with_conn(conn: Conn, schema: Schema) -> Self {
+        PgWindowLimiter {
             check_sql: schema.sql(CHECK_SQL),
             zone_sql: schema.sql(ZONE_SQL),
             purge_log_sql: schema.sql(PURGE_LOG_SQL),
             purge_keys_sql: schema.sql(PURGE_KEYS_SQL),
             conn,
             schema,
-        })
+        }
     }
 
     /// Creates or upgrades the tables ([`schema::install`]).
