@@ -8,7 +8,7 @@
 use std::cell::{Cell, RefCell};
 use std::rc::{Rc, Weak};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::error::TryRecvError;
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -88,6 +88,9 @@ struct InFlight {
     shared: Arc<Shared>,
     /// The shard's core, to record completions in its stats (gone once the shard stopped).
     core: Weak<RefCell<ShardCore<BoxTask>>>,
+    /// The shard's last activity (a message received, a request dispatched or ended), in
+    /// wall-clock time: an idle shard polls until [`Shared::idle_poll`] after it.
+    active: Cell<Instant>,
 }
 
 /// Held by a running request: when dropped (the future ended, or was torn down), its tokens are
@@ -158,6 +161,7 @@ impl Drop for Completion {
                 core.completed(self.class, self.cost, self.times, now);
             }
         }
+        self.inflight.active.set(Instant::now());
         let n = self.inflight.count.get() - 1;
         self.inflight.count.set(n);
         if n == 0 {
@@ -200,6 +204,74 @@ pub(crate) fn spawn(
         })
 }
 
+/// A polling round in which the thread was off its CPU for longer than this (wall-clock time
+/// minus the thread's CPU time) means it was descheduled: its core is wanted by another thread.
+const PREEMPTED: Duration = Duration::from_micros(50);
+/// After a descheduled round, the shard parks at once when idle for this long (polling a
+/// contended core costs the other threads CPU and the shard its wake-up priority).
+const CONTENDED_BACKOFF: Duration = Duration::from_millis(10);
+
+/// The calling thread's CPU time (`CLOCK_THREAD_CPUTIME_ID`); zero if the clock is refused.
+fn thread_cpu_time() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: writes one `timespec` into a live local.
+    if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) } != 0 {
+        return Duration::ZERO;
+    }
+    Duration::new(
+        ts.tv_sec.max(0) as u64,
+        ts.tv_nsec.clamp(0, 999_999_999) as u32,
+    )
+}
+
+/// A shard's idle poll ([`DispatcherBuilder::idle_poll`](super::DispatcherBuilder::idle_poll)).
+struct IdlePoll {
+    /// Poll for this long after the last activity; zero: never.
+    time: Duration,
+    /// No polling before this (the core was found contended).
+    backoff_until: Option<Instant>,
+}
+
+impl IdlePoll {
+    /// Polls while the shard is idle, for up to `time` after its last activity: each round
+    /// lets the runtime poll its I/O driver without blocking and run what that woke (the
+    /// io_uring reaper, the requests' futures), then checks the channel. Returns `true` when a
+    /// message is waiting, `false` when the shard should park: the time is up, polling is off,
+    /// or the thread was descheduled while polling (then it does not poll for
+    /// [`CONTENDED_BACKOFF`]). Time spent running the woken futures does not count as
+    /// descheduled: only wall-clock time the thread spent off its CPU does.
+    async fn poll(&mut self, rx: &UnboundedReceiver<Msg>, active: &Cell<Instant>) -> bool {
+        if self.time.is_zero() {
+            return false;
+        }
+        let mut last = Instant::now();
+        if self.backoff_until.is_some_and(|t| last < t) {
+            return false;
+        }
+        let mut last_cpu = thread_cpu_time();
+        loop {
+            if !rx.is_empty() {
+                return true;
+            }
+            if last.saturating_duration_since(active.get()) >= self.time {
+                return false;
+            }
+            // Deferred until the runtime has polled its driver with a zero timeout.
+            tokio::task::yield_now().await;
+            let (now, cpu) = (Instant::now(), thread_cpu_time());
+            let off_cpu = (now - last).saturating_sub(cpu.saturating_sub(last_cpu));
+            if off_cpu > PREEMPTED {
+                self.backoff_until = Some(now + CONTENDED_BACKOFF);
+                return !rx.is_empty();
+            }
+            (last, last_cpu) = (now, cpu);
+        }
+    }
+}
+
 async fn run(
     index: usize,
     shared: Arc<Shared>,
@@ -215,7 +287,12 @@ async fn run(
         idle: Notify::new(),
         shared: shared.clone(),
         core: Rc::downgrade(&core),
+        active: Cell::new(Instant::now()),
     });
+    let mut idle_poll = IdlePoll {
+        time: shared.idle_poll,
+        backoff_until: None,
+    };
     let mut closing: Option<ShutdownMode> = None;
     let mut open = true;
 
@@ -243,7 +320,10 @@ async fn run(
     loop {
         while open {
             match rx.try_recv() {
-                Ok(msg) => handle(msg, &mut closing),
+                Ok(msg) => {
+                    inflight.active.set(Instant::now());
+                    handle(msg, &mut closing);
+                }
                 Err(TryRecvError::Empty) => break,
                 Err(TryRecvError::Disconnected) => {
                     open = false;
@@ -259,6 +339,7 @@ async fn run(
         }
         let now = shared.clock.now();
         let next = core.borrow_mut().poll(now, &mut |e| {
+            inflight.active.set(Instant::now());
             inflight.count.set(inflight.count.get() + 1);
             let done = Completion {
                 cost: e.cost,
@@ -274,6 +355,12 @@ async fn run(
         }
         match next {
             Next::Idle => {
+                if open && idle_poll.poll(&rx, &inflight.active).await {
+                    // A message is waiting: take it without parking.
+                    continue;
+                }
+                // Relaxed: a statistic.
+                shared.parks[index].fetch_add(1, crate::sync::Ordering::Relaxed);
                 tokio::select! {
                     msg = rx.recv(), if open => match msg {
                         Some(msg) => handle(msg, &mut closing),
@@ -350,4 +437,127 @@ async fn run(
     }
     // Anything still in the channel (submitted while we stopped) is dropped with `rx`: its
     // handles resolve to `DispatchError::ShutDown`.
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dispatcher::{ClassConfig, ClassId, DiskModel, Dispatcher, IoRequest};
+    use crate::sync::Ordering;
+
+    fn one_shard(idle_poll: Duration) -> (Dispatcher, ClassId) {
+        let mut b = Dispatcher::builder()
+            .shards(1)
+            .pin_threads(false)
+            .idle_poll(idle_poll)
+            .disk(DiskModel::new(1 << 30, 1 << 30, 100_000, 100_000));
+        let class = b.add_class(ClassConfig::new("io", 100)).unwrap();
+        (b.build().unwrap(), class)
+    }
+
+    fn parks(d: &Dispatcher) -> u64 {
+        // Relaxed: a statistic; the waits below re-read it.
+        d.shared.parks[0].load(Ordering::Relaxed)
+    }
+
+    /// Waits until shard 0 has parked at least `n` times. Polled, not timed: the test runner's
+    /// timeout catches a shard that never parks.
+    fn wait_parks(d: &Dispatcher, n: u64) {
+        while parks(d) < n {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    fn rt() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    #[test]
+    fn without_idle_poll_the_shard_parks_after_every_request() {
+        let (d, class) = one_shard(Duration::ZERO);
+        let rt = rt();
+        let mut before = parks(&d);
+        for _ in 0..20 {
+            let job = d.submit(class, IoRequest::read(4096), async {}).unwrap();
+            rt.block_on(job).unwrap();
+            // The shard parks before the request's future runs (it runs while the shard
+            // waits), so the count is up before the result arrives.
+            let now = parks(&d);
+            assert!(now > before, "no park for this request ({before} → {now})");
+            before = now;
+        }
+    }
+
+    #[test]
+    fn an_idle_polling_shard_parks_once_the_idle_poll_time_is_up() {
+        let (d, class) = one_shard(Duration::from_millis(2));
+        // Started, nothing submitted: it polls, then parks.
+        wait_parks(&d, 1);
+        let rt = rt();
+        for _ in 0..5 {
+            let before = parks(&d);
+            let job = d.submit(class, IoRequest::read(4096), async {}).unwrap();
+            rt.block_on(job).unwrap();
+            // The request woke it; with nothing more to do it polls, then parks again.
+            wait_parks(&d, before + 1);
+        }
+        d.shutdown();
+    }
+
+    #[test]
+    fn a_polling_shard_takes_a_message_without_parking_and_stops_when_polling_is_off() {
+        let rt = rt();
+        let local = tokio::task::LocalSet::new();
+        local.block_on(&rt, async {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Msg>();
+            let active = Cell::new(Instant::now());
+            // Off: parks at once, even with a message waiting.
+            let mut off = IdlePoll {
+                time: Duration::ZERO,
+                backoff_until: None,
+            };
+            tx.send(Msg::Wake).unwrap();
+            assert!(!off.poll(&rx, &active).await);
+            let mut rx = rx;
+            assert!(matches!(rx.try_recv(), Ok(Msg::Wake)));
+            // Long past the last activity: parks.
+            let mut on = IdlePoll {
+                time: Duration::from_millis(1),
+                backoff_until: None,
+            };
+            active.set(Instant::now() - Duration::from_millis(5));
+            assert!(!on.poll(&rx, &active).await);
+            // A message sent by another task while the shard polls is taken without parking.
+            // A round descheduled by the OS (a loaded machine) makes it back off and park:
+            // retried until a poll ran undisturbed.
+            on.time = Duration::from_secs(3600);
+            loop {
+                on.backoff_until = None;
+                active.set(Instant::now());
+                let sender = tx.clone();
+                let send = tokio::task::spawn_local(async move {
+                    for _ in 0..10 {
+                        tokio::task::yield_now().await;
+                    }
+                    sender.send(Msg::Wake).unwrap();
+                });
+                let got = on.poll(&rx, &active).await;
+                send.await.unwrap();
+                assert!(matches!(rx.try_recv(), Ok(Msg::Wake)));
+                if got {
+                    break;
+                }
+                assert!(
+                    on.backoff_until.is_some(),
+                    "stopped polling before its time without being descheduled"
+                );
+                // Backing off: parks at once.
+                active.set(Instant::now());
+                assert!(!on.poll(&rx, &active).await);
+            }
+        });
+    }
 }
