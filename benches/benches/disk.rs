@@ -17,7 +17,7 @@
 //!   reactor and wakes the caller's task. Two threads: the caller's and the shard's, with the
 //!   shard's default [idle poll] (it polls for 200 µs after its last activity instead of
 //!   parking).
-//! - `throttled_file_parked` (depth 1): the same with `idle_poll(Duration::ZERO)`: the shard
+//! - `throttled_file_parked`: the same with `idle_poll(Duration::ZERO)`: the shard
 //!   parks as soon as it is idle, so the request and the completion each pay a thread wake-up.
 //! - `throttled_file_on_shard` (depth 1): the reads are issued from a task running *on* the
 //!   shard (thread-per-core use: the engine's code runs on the shards), so only the completion
@@ -27,7 +27,8 @@
 //! then again), so that the noise of a shared machine hits all alike, and prints the median
 //! time per read of each case, its ratio to `direct_io_uring` at the same depth, and the CPU
 //! the shard threads used per second of each case (from `/proc/self/task/*/schedstat`), and
-//! while idle. It runs when no filter is given or the filter mentions `disk`.
+//! while idle. It runs when no filter is given, or the filter names `disk` but not one `read_4k` case, or
+//! names `ratios`.
 //!
 //! The scratch file (64 MiB) lives under the target directory, which must be on a real disk.
 //!
@@ -262,10 +263,10 @@ pub fn disk(c: &mut Criterion) {
         g.bench_function(BenchmarkId::new("throttled_file", depth), |bch| {
             bch.iter_custom(|iters| throttled(&rt, &file, depth, iters, &mut rng))
         });
+        g.bench_function(BenchmarkId::new("throttled_file_parked", depth), |bch| {
+            bch.iter_custom(|iters| throttled(&rt, &parked, depth, iters, &mut rng))
+        });
         if depth == 1 {
-            g.bench_function(BenchmarkId::new("throttled_file_parked", depth), |bch| {
-                bch.iter_custom(|iters| throttled(&rt, &parked, depth, iters, &mut rng))
-            });
             g.bench_function(BenchmarkId::new("throttled_file_on_shard", depth), |bch| {
                 bch.iter_custom(|iters| on_shard(&rt, &dispatcher, class, &file, iters, &mut rng))
             });
@@ -306,7 +307,10 @@ fn wants_ratios() -> bool {
         .skip(1)
         .filter(|a| !a.starts_with('-') && a.parse::<f64>().is_err())
         .collect();
-    words.is_empty() || words.iter().any(|w| w.contains("disk"))
+    words.is_empty()
+        || words
+            .iter()
+            .any(|w| w.contains("ratios") || (w.contains("disk") && !w.contains("read_4k")))
 }
 
 /// Nanoseconds the shard threads of this process have run on a CPU (schedstat's first field).

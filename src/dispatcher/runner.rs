@@ -231,6 +231,8 @@ fn thread_cpu_time() -> Duration {
 struct IdlePoll {
     /// Poll for this long after the last activity; zero: never.
     time: Duration,
+    /// A round off the CPU for longer than this means the core is contended ([`PREEMPTED`]).
+    preempted: Duration,
     /// No polling before this (the core was found contended).
     backoff_until: Option<Instant>,
 }
@@ -263,7 +265,7 @@ impl IdlePoll {
             tokio::task::yield_now().await;
             let (now, cpu) = (Instant::now(), thread_cpu_time());
             let off_cpu = (now - last).saturating_sub(cpu.saturating_sub(last_cpu));
-            if off_cpu > PREEMPTED {
+            if off_cpu > self.preempted {
                 self.backoff_until = Some(now + CONTENDED_BACKOFF);
                 return !rx.is_empty();
             }
@@ -291,6 +293,7 @@ async fn run(
     });
     let mut idle_poll = IdlePoll {
         time: shared.idle_poll,
+        preempted: PREEMPTED,
         backoff_until: None,
     };
     let mut closing: Option<ShutdownMode> = None;
@@ -507,57 +510,94 @@ mod tests {
         d.shutdown();
     }
 
-    #[test]
-    fn a_polling_shard_takes_a_message_without_parking_and_stops_when_polling_is_off() {
+    /// An idle poll that never finds its core contended (the tests run on a loaded machine).
+    fn uncontended(time: Duration) -> IdlePoll {
+        IdlePoll {
+            time,
+            preempted: Duration::MAX,
+            backoff_until: None,
+        }
+    }
+
+    /// Runs `f` on a current-thread runtime in a `LocalSet`, as a shard does; a poll that never
+    /// returns fails the test after a minute (a liveness bound, not a speed check).
+    fn on_local<F: std::future::Future<Output = ()>>(f: F) {
         let rt = rt();
         let local = tokio::task::LocalSet::new();
         local.block_on(&rt, async {
-            let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Msg>();
-            let active = Cell::new(Instant::now());
-            // Off: parks at once, even with a message waiting.
-            let mut off = IdlePoll {
-                time: Duration::ZERO,
-                backoff_until: None,
-            };
+            tokio::time::timeout(Duration::from_secs(60), f)
+                .await
+                .expect("the idle poll never returned")
+        });
+    }
+
+    #[test]
+    fn with_idle_poll_off_the_shard_parks_at_once_even_with_a_message_waiting() {
+        on_local(async {
+            let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Msg>();
             tx.send(Msg::Wake).unwrap();
-            assert!(!off.poll(&rx, &active).await);
-            let mut rx = rx;
+            let active = Cell::new(Instant::now());
+            assert!(!uncontended(Duration::ZERO).poll(&rx, &active).await);
             assert!(matches!(rx.try_recv(), Ok(Msg::Wake)));
-            // Long past the last activity: parks.
-            let mut on = IdlePoll {
-                time: Duration::from_millis(1),
-                backoff_until: None,
-            };
-            active.set(Instant::now() - Duration::from_millis(5));
-            assert!(!on.poll(&rx, &active).await);
-            // A message sent by another task while the shard polls is taken without parking.
-            // A round descheduled by the OS (a loaded machine) makes it back off and park:
-            // retried until a poll ran undisturbed.
-            on.time = Duration::from_secs(3600);
-            loop {
-                on.backoff_until = None;
-                active.set(Instant::now());
-                let sender = tx.clone();
-                let send = tokio::task::spawn_local(async move {
-                    for _ in 0..10 {
-                        tokio::task::yield_now().await;
-                    }
-                    sender.send(Msg::Wake).unwrap();
-                });
-                let got = on.poll(&rx, &active).await;
-                send.await.unwrap();
-                assert!(matches!(rx.try_recv(), Ok(Msg::Wake)));
-                if got {
-                    break;
+        });
+    }
+
+    #[test]
+    fn the_idle_poll_ends_once_its_time_since_the_last_activity_is_up() {
+        on_local(async {
+            let (_tx, rx) = tokio::sync::mpsc::unbounded_channel::<Msg>();
+            let active = Cell::new(Instant::now());
+            let mut poll = uncontended(Duration::from_millis(1));
+            assert!(!poll.poll(&rx, &active).await);
+            assert!(active.get().elapsed() >= Duration::from_millis(1));
+            assert!(poll.backoff_until.is_none());
+        });
+    }
+
+    #[test]
+    fn a_message_sent_while_the_shard_polls_is_taken_without_parking() {
+        on_local(async {
+            let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Msg>();
+            let active = Cell::new(Instant::now());
+            // Another task on the shard sends after a few rounds (a request submitted from
+            // the shard itself, or one whose completion arrives through the driver).
+            let send = tokio::task::spawn_local(async move {
+                for _ in 0..10 {
+                    tokio::task::yield_now().await;
                 }
-                assert!(
-                    on.backoff_until.is_some(),
-                    "stopped polling before its time without being descheduled"
-                );
-                // Backing off: parks at once.
-                active.set(Instant::now());
-                assert!(!on.poll(&rx, &active).await);
-            }
+                tx.send(Msg::Wake).unwrap();
+            });
+            assert!(
+                uncontended(Duration::from_secs(3600))
+                    .poll(&rx, &active)
+                    .await
+            );
+            send.await.unwrap();
+            assert!(matches!(rx.try_recv(), Ok(Msg::Wake)));
+        });
+    }
+
+    #[test]
+    fn a_shard_descheduled_while_polling_parks_and_backs_off() {
+        on_local(async {
+            let (_tx, rx) = tokio::sync::mpsc::unbounded_channel::<Msg>();
+            let active = Cell::new(Instant::now());
+            let mut poll = uncontended(Duration::from_secs(3600));
+            poll.preempted = PREEMPTED;
+            // A round in which the thread is off its CPU for a millisecond (as when the OS
+            // runs another thread on the core).
+            let _off_cpu = tokio::task::spawn_local(async {
+                tokio::task::yield_now().await;
+                std::thread::sleep(Duration::from_millis(1));
+            });
+            let before = Instant::now();
+            assert!(!poll.poll(&rx, &active).await);
+            let until = poll.backoff_until.expect("backing off");
+            assert!(until >= before + CONTENDED_BACKOFF);
+            // While backing off it parks at once, though its poll time is far from up.
+            poll.backoff_until = Some(Instant::now() + Duration::from_secs(3600));
+            active.set(Instant::now());
+            assert!(!poll.poll(&rx, &active).await);
         });
     }
 }
