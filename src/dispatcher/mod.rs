@@ -471,11 +471,13 @@ impl DispatcherBuilder {
     /// [`DEFAULT_IDLE_POLL`](Self::DEFAULT_IDLE_POLL); `Duration::ZERO` turns polling off.
     ///
     /// A parked shard pays a thread wake-up (tens of µs on a VM) for the next request and for
-    /// each completion; a polling one picks both up at once. The cost is CPU: a shard busy
-    /// at queue depth 1 keeps its core busy, and an idle shard stops polling within this
-    /// time of its last activity (a quiet dispatcher uses no CPU). While polling, the shard
-    /// yields its core to any other runnable thread (`sched_yield`) at each round.
-    /// The bound is wall-clock time (`Instant`), not the dispatcher's [`clock`](Self::clock).
+    /// each completion; a polling one picks both up at once. The cost is CPU: a shard serving
+    /// one request at a time keeps its core busy, and an idle shard stops polling within this
+    /// time of its last activity (a quiet dispatcher uses no CPU). A polling round in which the
+    /// thread was off its CPU for over 50 µs means another thread wants the core: the shard
+    /// then parks at once whenever idle for the next 10 ms, so polling does not compete with
+    /// the application's threads. The bound is wall-clock time (`Instant`), not the
+    /// dispatcher's [`clock`](Self::clock).
     pub fn idle_poll(mut self, time: Duration) -> Self {
         self.idle_poll = time;
         self
