@@ -261,6 +261,8 @@ impl IdlePoll {
             if last.saturating_duration_since(active.get()) >= self.time {
                 return false;
             }
+            // io_uring completions already posted reach their futures now, which run below.
+            crate::disk::reap_here();
             // Deferred until the runtime has polled its driver with a zero timeout.
             tokio::task::yield_now().await;
             let (now, cpu) = (Instant::now(), thread_cpu_time());
