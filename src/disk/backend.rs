@@ -401,23 +401,30 @@ fn reap_thread(driver: Arc<Driver>, until_idle: bool) {
 }
 
 /// Hands the completions already posted on the calling thread's ring to their futures, when a
-/// task on this thread is its reaper (a dispatcher shard): a polling shard calls it each round,
-/// so a completion reaches its future without waiting for the eventfd to go through the
-/// runtime's I/O driver (the reaper task then finds nothing left). Returns whether any was
-/// reaped. Reads the completion queue's head and tail only when there is nothing to reap.
-pub(crate) fn reap_here() -> bool {
+/// task on this thread is its reaper (a dispatcher shard), and returns how many of its
+/// operations are still in flight (0 off a shard). A polling shard calls it each round, so a
+/// completion reaches its future without waiting for the eventfd to go through the runtime's
+/// I/O driver (the reaper task then finds nothing left).
+pub(crate) fn reap_here() -> usize {
     let driver = match LOCAL.try_with(|l| l.borrow().0.clone()) {
         Ok(Some(d)) => d,
-        _ => return false,
+        _ => return 0,
     };
     {
         let mut g = driver.lock();
-        if g.reaper != Reaper::Task || g.pending.is_empty() || g.ring.completion().is_empty() {
-            return false;
+        if g.reaper != Reaper::Task {
+            return 0;
+        }
+        if g.pending.is_empty() || g.ring.completion().is_empty() {
+            return g.pending.len();
         }
     }
-    driver.reap(|_| false);
-    true
+    let mut left = 0;
+    driver.reap(|g| {
+        left = g.pending.len();
+        false
+    });
+    left
 }
 
 /// The calling thread's ring, closed when the thread exits.
@@ -778,7 +785,7 @@ mod tests {
             return;
         }
         // Off a shard: the ring (if any) is a reaper thread's.
-        assert!(!reap_here());
+        assert_eq!(reap_here(), 0);
         let mut b = Dispatcher::builder()
             .shards(1)
             .pin_threads(false)
@@ -802,19 +809,19 @@ mod tests {
                 let first =
                     std::future::poll_fn(|cx| std::task::Poll::Ready(fut.as_mut().poll(cx))).await;
                 assert!(first.is_pending(), "the pipe is full");
-                assert!(!reap_here(), "nothing posted yet");
+                assert_eq!(reap_here(), 1, "nothing posted yet");
                 let mut got = vec![0u8; page];
                 rd.read_exact(&mut got).unwrap();
                 // The kernel posts the completion on this thread's next return from a system
                 // call; the reaper task cannot run before this task yields. Polled, not timed.
-                while !reap_here() {
+                while reap_here() > 0 {
                     std::thread::yield_now();
                 }
                 assert_eq!(Arc::strong_count(&buf), 1, "reaped: the table let go");
                 assert_eq!(fut.await.unwrap(), page);
                 rd.read_exact(&mut got).unwrap();
                 assert!(got.iter().all(|&b| b == 9));
-                assert!(!reap_here(), "nothing left");
+                assert_eq!(reap_here(), 0, "nothing left");
             })
             .unwrap();
         let rt = tokio::runtime::Builder::new_current_thread()

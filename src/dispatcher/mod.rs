@@ -471,7 +471,10 @@ impl DispatcherBuilder {
     /// [`DEFAULT_IDLE_POLL`](Self::DEFAULT_IDLE_POLL); `Duration::ZERO` turns polling off.
     ///
     /// A parked shard pays a thread wake-up (tens of µs on a VM) for the next request and for
-    /// each completion; a polling one picks both up at once. The cost is CPU: a shard serving
+    /// each completion; a polling one picks both up at once. It polls only while at most one
+    /// io_uring operation is in flight on its ring: with more, each wake-up already serves
+    /// several completions, and polling would take the CPU the submitting threads need. The
+    /// cost is CPU: a shard serving
     /// one request at a time keeps its core busy, and an idle shard stops polling within this
     /// time of its last activity (a quiet dispatcher uses no CPU). A polling round in which the
     /// thread was off its CPU for over 50 µs means another thread wants the core: the shard

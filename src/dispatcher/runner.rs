@@ -211,6 +211,12 @@ const PREEMPTED: Duration = Duration::from_micros(50);
 /// contended core costs the other threads CPU and the shard its wake-up priority).
 const CONTENDED_BACKOFF: Duration = Duration::from_millis(10);
 
+/// A shard polls only while at most this many io_uring operations are in flight on its ring.
+/// With more, each wake-up already serves several completions (they arrive while it wakes), and
+/// polling would only take the CPU the submitting threads need; with one, every event would
+/// cost a wake-up.
+const POLL_MAX_IN_FLIGHT: usize = 1;
+
 /// The calling thread's CPU time (`CLOCK_THREAD_CPUTIME_ID`); zero if the clock is refused.
 fn thread_cpu_time() -> Duration {
     let mut ts = libc::timespec {
@@ -243,9 +249,17 @@ impl IdlePoll {
     /// io_uring reaper, the requests' futures), then checks the channel. Returns `true` when a
     /// message is waiting, `false` when the shard should park: the time is up, polling is off,
     /// or the thread was descheduled while polling (then it does not poll for
-    /// [`CONTENDED_BACKOFF`]). Time spent running the woken futures does not count as
-    /// descheduled: only wall-clock time the thread spent off its CPU does.
-    async fn poll(&mut self, rx: &UnboundedReceiver<Msg>, active: &Cell<Instant>) -> bool {
+    /// [`CONTENDED_BACKOFF`]), or more than [`POLL_MAX_IN_FLIGHT`] operations are in flight.
+    /// `reap` is called each round: it hands the completions already posted on the shard's
+    /// ring to their futures and returns how many operations are still in flight. Time spent
+    /// running the woken futures does not count as descheduled: only wall-clock time the
+    /// thread spent off its CPU does.
+    async fn poll(
+        &mut self,
+        rx: &UnboundedReceiver<Msg>,
+        active: &Cell<Instant>,
+        mut reap: impl FnMut() -> usize,
+    ) -> bool {
         if self.time.is_zero() {
             return false;
         }
@@ -258,11 +272,12 @@ impl IdlePoll {
             if !rx.is_empty() {
                 return true;
             }
-            if last.saturating_duration_since(active.get()) >= self.time {
+            // io_uring completions already posted reach their futures now; they run below.
+            if last.saturating_duration_since(active.get()) >= self.time
+                || reap() > POLL_MAX_IN_FLIGHT
+            {
                 return false;
             }
-            // io_uring completions already posted reach their futures now, which run below.
-            crate::disk::reap_here();
             // Deferred until the runtime has polled its driver with a zero timeout.
             tokio::task::yield_now().await;
             let (now, cpu) = (Instant::now(), thread_cpu_time());
@@ -360,7 +375,11 @@ async fn run(
         }
         match next {
             Next::Idle => {
-                if open && idle_poll.poll(&rx, &inflight.active).await {
+                if open
+                    && idle_poll
+                        .poll(&rx, &inflight.active, crate::disk::reap_here)
+                        .await
+                {
                     // A message is waiting: take it without parking.
                     continue;
                 }
@@ -539,7 +558,7 @@ mod tests {
             let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Msg>();
             tx.send(Msg::Wake).unwrap();
             let active = Cell::new(Instant::now());
-            assert!(!uncontended(Duration::ZERO).poll(&rx, &active).await);
+            assert!(!uncontended(Duration::ZERO).poll(&rx, &active, || 0).await);
             assert!(matches!(rx.try_recv(), Ok(Msg::Wake)));
         });
     }
@@ -550,7 +569,7 @@ mod tests {
             let (_tx, rx) = tokio::sync::mpsc::unbounded_channel::<Msg>();
             let active = Cell::new(Instant::now());
             let mut poll = uncontended(Duration::from_millis(1));
-            assert!(!poll.poll(&rx, &active).await);
+            assert!(!poll.poll(&rx, &active, || 0).await);
             assert!(active.get().elapsed() >= Duration::from_millis(1));
             assert!(poll.backoff_until.is_none());
         });
@@ -571,11 +590,25 @@ mod tests {
             });
             assert!(
                 uncontended(Duration::from_secs(3600))
-                    .poll(&rx, &active)
+                    .poll(&rx, &active, || 0)
                     .await
             );
             send.await.unwrap();
             assert!(matches!(rx.try_recv(), Ok(Msg::Wake)));
+        });
+    }
+
+    #[test]
+    fn a_shard_with_more_than_one_operation_in_flight_parks_at_once() {
+        on_local(async {
+            let (_tx, rx) = tokio::sync::mpsc::unbounded_channel::<Msg>();
+            let active = Cell::new(Instant::now());
+            let mut poll = uncontended(Duration::from_secs(3600));
+            assert!(!poll.poll(&rx, &active, || 2).await);
+            // One in flight: polls (until a message comes).
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Msg>();
+            tx.send(Msg::Wake).unwrap();
+            assert!(poll.poll(&rx, &active, || 1).await);
         });
     }
 
@@ -593,13 +626,13 @@ mod tests {
                 std::thread::sleep(Duration::from_millis(1));
             });
             let before = Instant::now();
-            assert!(!poll.poll(&rx, &active).await);
+            assert!(!poll.poll(&rx, &active, || 0).await);
             let until = poll.backoff_until.expect("backing off");
             assert!(until >= before + CONTENDED_BACKOFF);
             // While backing off it parks at once, though its poll time is far from up.
             poll.backoff_until = Some(Instant::now() + Duration::from_secs(3600));
             active.set(Instant::now());
-            assert!(!poll.poll(&rx, &active).await);
+            assert!(!poll.poll(&rx, &active, || 0).await);
         });
     }
 }
