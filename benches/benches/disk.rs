@@ -19,12 +19,17 @@
 //!   parking).
 //! - `throttled_file_parked`: the same with `idle_poll(Duration::ZERO)`: the shard
 //!   parks as soon as it is idle, so the request and the completion each pay a thread wake-up.
+//! - `cross_thread_floor` (depth 1, in `disk/ratios` only): no dispatcher: a thread that
+//!   busy-polls for requests and for its ring's completions, handed each read by a task on the
+//!   benchmark thread's runtime through a channel and answering through a oneshot. The floor of
+//!   any design in which the caller is not on the I/O thread: what it costs over direct
+//!   io_uring is the hop to the other thread and back (mostly waking the caller's thread).
 //! - `throttled_file_on_shard` (depth 1): the reads are issued from a task running *on* the
 //!   shard (thread-per-core use: the engine's code runs on the shards), so only the completion
 //!   is a hop, inside the shard.
 //!
-//! Before the criterion groups, `disk/ratios` runs every case in interleaved rounds (A, B, C, …,
-//! then again), so that the noise of a shared machine hits all alike, and prints the median
+//! Before the criterion groups, `disk/ratios` runs every case in interleaved rounds (each case
+//! once per round, in a fresh random order), so that the noise of a shared machine hits all alike, and prints the median
 //! time per read of each case, its ratio to `direct_io_uring` at the same depth, and the CPU
 //! the shard threads used per second of each case (from `/proc/self/task/*/schedstat`), and
 //! while idle. It runs when no filter is given, or the filter names `disk` but not one `read_4k` case, or
@@ -49,11 +54,15 @@ const FILE: u64 = 64 << 20;
 
 struct Rng(u64);
 impl Rng {
-    fn offset(&mut self) -> u64 {
+    fn next(&mut self) -> u64 {
         self.0 ^= self.0 << 13;
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;
-        (self.0 % (FILE / ALIGN as u64)) * ALIGN as u64
+        self.0
+    }
+
+    fn offset(&mut self) -> u64 {
+        (self.next() % (FILE / ALIGN as u64)) * ALIGN as u64
     }
 }
 
@@ -135,6 +144,75 @@ fn throttled(
     start.elapsed()
 }
 
+/// A read asked of the [`floor`] thread: its offset, and where to say it is done.
+type FloorReq = (u64, tokio::sync::oneshot::Sender<i32>);
+
+/// The floor of any design in which a caller that is not on the I/O thread hands it a read: a
+/// thread that does nothing but busy-poll for requests (then parks after 1 ms without one), submit
+/// each read on its own ring and busy-poll the completion queue (no system call but the
+/// submission), and answer through a oneshot channel, which wakes the caller's task as the
+/// dispatcher's shard does. No dispatcher, no queue, no tokens: what is left over direct
+/// io_uring is the hop to the other thread and back.
+fn spawn_floor(
+    fd: i32,
+) -> (
+    tokio::sync::mpsc::UnboundedSender<FloorReq>,
+    std::thread::JoinHandle<()>,
+) {
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<FloorReq>();
+    let t = std::thread::spawn(move || {
+        let mut ring = IoUring::new(8).unwrap();
+        let mut buf = AlignedBuf::zeroed(ALIGN).unwrap();
+        loop {
+            let start = Instant::now();
+            let req = loop {
+                match rx.try_recv() {
+                    Ok(r) => break Some(r),
+                    Err(tokio::sync::mpsc::error::TryRecvError::Disconnected) => return,
+                    Err(_) if start.elapsed() > Duration::from_millis(1) => {
+                        break rx.blocking_recv()
+                    }
+                    Err(_) => std::hint::spin_loop(),
+                }
+            };
+            let Some((offset, reply)) = req else { return };
+            let e = opcode::Read::new(types::Fd(fd), buf.as_mut_ptr(), ALIGN as u32)
+                .offset(offset)
+                .build();
+            // SAFETY: `buf` serves one read at a time and outlives it (we wait for it below).
+            unsafe { ring.submission().push(&e).unwrap() };
+            ring.submit().unwrap();
+            let res = loop {
+                if let Some(c) = ring.completion().next() {
+                    break c.result();
+                }
+                std::hint::spin_loop();
+            };
+            let _ = reply.send(res);
+        }
+    });
+    (tx, t)
+}
+
+/// `iters` reads at depth 1 through the [`spawn_floor`] thread, from a task on `rt`.
+fn floor(
+    rt: &tokio::runtime::Runtime,
+    tx: &tokio::sync::mpsc::UnboundedSender<FloorReq>,
+    iters: u64,
+    rng: &mut Rng,
+) -> Duration {
+    let offsets: Vec<u64> = (0..iters).map(|_| rng.offset()).collect();
+    let start = Instant::now();
+    rt.block_on(async {
+        for off in offsets {
+            let (done, wait) = tokio::sync::oneshot::channel();
+            tx.send((off, done)).unwrap();
+            assert_eq!(wait.await.unwrap(), ALIGN as i32);
+        }
+    });
+    start.elapsed()
+}
+
 /// `iters` reads at depth 1 issued from a task running *on* the shard (thread-per-core use: the
 /// engine's code runs on the shards), so no request crosses threads except the completion.
 fn on_shard(
@@ -206,7 +284,13 @@ pub fn disk(c: &mut Criterion) {
         let mut deep_bufs: Vec<AlignedBuf> = (0..32)
             .map(|_| AlignedBuf::zeroed(ALIGN).unwrap())
             .collect();
+        let (floor_tx, floor_thread) = spawn_floor(raw.as_raw_fd());
         let mut cases: Vec<(&str, usize, Case<'_>)> = vec![
+            (
+                "cross_thread_floor",
+                1,
+                Box::new(|n, rng| floor(&rt, &floor_tx, n, rng)),
+            ),
             (
                 "direct_io_uring",
                 1,
@@ -244,6 +328,9 @@ pub fn disk(c: &mut Criterion) {
             Box::new(|n, rng| throttled(&rt, &parked, 32, n, rng)),
         ));
         ratios(&mut cases, &mut rng);
+        drop(cases);
+        drop(floor_tx);
+        floor_thread.join().unwrap();
     }
 
     let mut g = c.benchmark_group("disk/read_4k");
@@ -335,8 +422,8 @@ fn shard_cpu_ns() -> u64 {
     total
 }
 
-/// Runs the cases in interleaved rounds (each round starts one case further, so that no case
-/// always follows the same one) and prints, per case, the median time per read, the median of
+/// Runs the cases in interleaved rounds (in a fresh random order each round) and prints, per
+/// case, the median time per read, the median of
 /// its per-round ratios to the direct baseline of the same depth in the same round (robust to
 /// drift: the machine's load changes between rounds, hardly within one), and the shard
 /// threads' CPU use.
@@ -350,9 +437,13 @@ fn ratios(cases: &mut [(&str, usize, Case<'_>)], rng: &mut Rng) {
     for (_, depth, run) in cases.iter_mut() {
         run(reads(*depth) as u64 / 2, rng);
     }
-    for round in 0..ROUNDS {
-        for j in 0..k {
-            let i = (round + j) % k;
+    for _ in 0..ROUNDS {
+        // A fresh order each round, so that no case always follows the same one.
+        let mut order: Vec<usize> = (0..k).collect();
+        for j in (1..k).rev() {
+            order.swap(j, (rng.next() % (j as u64 + 1)) as usize);
+        }
+        for i in order {
             let (_, depth, run) = &mut cases[i];
             let n = reads(*depth) as u64;
             let before = shard_cpu_ns();

@@ -401,11 +401,13 @@ fn reap_thread(driver: Arc<Driver>, until_idle: bool) {
 }
 
 /// Hands the completions already posted on the calling thread's ring to their futures, when a
-/// task on this thread is its reaper (a dispatcher shard), and returns how many of its
-/// operations are still in flight (0 off a shard). A polling shard calls it each round, so a
-/// completion reaches its future without waiting for the eventfd to go through the runtime's
-/// I/O driver (the reaper task then finds nothing left).
-pub(crate) fn reap_here() -> usize {
+/// task on this thread is its reaper (a dispatcher shard) and at most `max_in_flight`
+/// operations are in flight on it; returns how many are still in flight (0 off a shard). A
+/// polling shard calls it each round, so a completion reaches its future without waiting for
+/// the eventfd to go through the runtime's I/O driver (the reaper task then finds nothing
+/// left). With more in flight nothing is reaped here: the reaper task takes the completions
+/// in batches, as the eventfd wakes it.
+pub(crate) fn reap_here(max_in_flight: usize) -> usize {
     let driver = match LOCAL.try_with(|l| l.borrow().0.clone()) {
         Ok(Some(d)) => d,
         _ => return 0,
@@ -415,7 +417,8 @@ pub(crate) fn reap_here() -> usize {
         if g.reaper != Reaper::Task {
             return 0;
         }
-        if g.pending.is_empty() || g.ring.completion().is_empty() {
+        if g.pending.is_empty() || g.pending.len() > max_in_flight || g.ring.completion().is_empty()
+        {
             return g.pending.len();
         }
     }
@@ -785,7 +788,7 @@ mod tests {
             return;
         }
         // Off a shard: the ring (if any) is a reaper thread's.
-        assert_eq!(reap_here(), 0);
+        assert_eq!(reap_here(1), 0);
         let mut b = Dispatcher::builder()
             .shards(1)
             .pin_threads(false)
@@ -809,19 +812,24 @@ mod tests {
                 let first =
                     std::future::poll_fn(|cx| std::task::Poll::Ready(fut.as_mut().poll(cx))).await;
                 assert!(first.is_pending(), "the pipe is full");
-                assert_eq!(reap_here(), 1, "nothing posted yet");
+                assert_eq!(reap_here(1), 1, "nothing posted yet");
                 let mut got = vec![0u8; page];
                 rd.read_exact(&mut got).unwrap();
+                // More in flight than allowed: left to the reaper task, which cannot run
+                // before this task yields.
+                std::thread::sleep(Duration::from_millis(1));
+                assert_eq!(reap_here(0), 1, "left to the reaper task");
+                assert_eq!(Arc::strong_count(&buf), 2);
                 // The kernel posts the completion on this thread's next return from a system
-                // call; the reaper task cannot run before this task yields. Polled, not timed.
-                while reap_here() > 0 {
+                // call. Polled, not timed.
+                while reap_here(1) > 0 {
                     std::thread::yield_now();
                 }
                 assert_eq!(Arc::strong_count(&buf), 1, "reaped: the table let go");
                 assert_eq!(fut.await.unwrap(), page);
                 rd.read_exact(&mut got).unwrap();
                 assert!(got.iter().all(|&b| b == 9));
-                assert_eq!(reap_here(), 0, "nothing left");
+                assert_eq!(reap_here(1), 0, "nothing left");
             })
             .unwrap();
         let rt = tokio::runtime::Builder::new_current_thread()

@@ -251,7 +251,8 @@ impl IdlePoll {
     /// or the thread was descheduled while polling (then it does not poll for
     /// [`CONTENDED_BACKOFF`]), or more than [`POLL_MAX_IN_FLIGHT`] operations are in flight.
     /// `reap` is called each round: it hands the completions already posted on the shard's
-    /// ring to their futures and returns how many operations are still in flight. Time spent
+    /// ring to their futures (when at most [`POLL_MAX_IN_FLIGHT`] are in flight) and returns
+    /// how many operations are still in flight. Time spent
     /// running the woken futures does not count as descheduled: only wall-clock time the
     /// thread spent off its CPU does.
     async fn poll(
@@ -267,7 +268,9 @@ impl IdlePoll {
         if self.backoff_until.is_some_and(|t| last < t) {
             return false;
         }
-        let mut last_cpu = thread_cpu_time();
+        // Read only once the shard does poll (a system call): a shard that parks at once
+        // (too much in flight) pays nothing for it.
+        let mut last_cpu = None;
         loop {
             if !rx.is_empty() {
                 return true;
@@ -278,15 +281,16 @@ impl IdlePoll {
             {
                 return false;
             }
+            let before_cpu = *last_cpu.get_or_insert_with(thread_cpu_time);
             // Deferred until the runtime has polled its driver with a zero timeout.
             tokio::task::yield_now().await;
             let (now, cpu) = (Instant::now(), thread_cpu_time());
-            let off_cpu = (now - last).saturating_sub(cpu.saturating_sub(last_cpu));
+            let off_cpu = (now - last).saturating_sub(cpu.saturating_sub(before_cpu));
             if off_cpu > self.preempted {
                 self.backoff_until = Some(now + CONTENDED_BACKOFF);
                 return !rx.is_empty();
             }
-            (last, last_cpu) = (now, cpu);
+            (last, last_cpu) = (now, Some(cpu));
         }
     }
 }
@@ -377,7 +381,9 @@ async fn run(
             Next::Idle => {
                 if open
                     && idle_poll
-                        .poll(&rx, &inflight.active, crate::disk::reap_here)
+                        .poll(&rx, &inflight.active, || {
+                            crate::disk::reap_here(POLL_MAX_IN_FLIGHT)
+                        })
                         .await
                 {
                     // A message is waiting: take it without parking.
