@@ -477,9 +477,9 @@ impl DispatcherBuilder {
     /// cost is CPU: a shard serving
     /// one request at a time keeps its core busy, and an idle shard stops polling within this
     /// time of its last activity (a quiet dispatcher uses no CPU). A polling round in which the
-    /// thread was off its CPU for over 50 µs means another thread wants the core: the shard
-    /// then parks at once whenever idle for the next 10 ms, so polling does not compete with
-    /// the application's threads. The bound is wall-clock time (`Instant`), not the
+    /// OS preempted the thread and it was off its CPU for over 50 µs means another thread
+    /// wants the core: the shard then parks at once whenever idle for the next 10 ms, so
+    /// polling does not compete with the application's threads. The bound is wall-clock time (`Instant`), not the
     /// dispatcher's [`clock`](Self::clock).
     pub fn idle_poll(mut self, time: Duration) -> Self {
         self.idle_poll = time;

@@ -204,8 +204,10 @@ pub(crate) fn spawn(
         })
 }
 
-/// A polling round in which the thread was off its CPU for longer than this (wall-clock time
-/// minus the thread's CPU time) means it was descheduled: its core is wanted by another thread.
+/// A polling round in which the thread was preempted (an involuntary context switch) and off
+/// its CPU for longer than this (wall-clock time minus the thread's CPU time) means its core is
+/// wanted by another thread. Blocking in a system call (a submission waiting for the device)
+/// is a voluntary switch and does not count; a kernel worker's short run does not either.
 const PREEMPTED: Duration = Duration::from_micros(50);
 /// After a descheduled round, the shard parks at once when idle for this long (polling a
 /// contended core costs the other threads CPU and the shard its wake-up priority).
@@ -217,19 +219,19 @@ const CONTENDED_BACKOFF: Duration = Duration::from_millis(10);
 /// cost a wake-up.
 const POLL_MAX_IN_FLIGHT: usize = 1;
 
-/// The calling thread's CPU time (`CLOCK_THREAD_CPUTIME_ID`); zero if the clock is refused.
-fn thread_cpu_time() -> Duration {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: writes one `timespec` into a live local.
-    if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) } != 0 {
-        return Duration::ZERO;
+/// The calling thread's CPU time and its involuntary context switches so far (the times the
+/// OS took its CPU to run another thread), from `getrusage(RUSAGE_THREAD)`; zeros if refused.
+fn thread_usage() -> (Duration, i64) {
+    // SAFETY: `rusage` is plain old data; all zeros is a valid value.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: writes one `rusage` into a live local.
+    if unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut ru) } != 0 {
+        return (Duration::ZERO, 0);
     }
-    Duration::new(
-        ts.tv_sec.max(0) as u64,
-        ts.tv_nsec.clamp(0, 999_999_999) as u32,
+    let micros = |t: libc::timeval| t.tv_sec.max(0) as u64 * 1_000_000 + t.tv_usec.max(0) as u64;
+    (
+        Duration::from_micros(micros(ru.ru_utime) + micros(ru.ru_stime)),
+        ru.ru_nivcsw as i64,
     )
 }
 
@@ -249,7 +251,8 @@ impl IdlePoll {
     /// io_uring reaper, the requests' futures), then checks the channel. Returns `true` when a
     /// message is waiting, `false` when the shard should park: the time is up, polling is off,
     /// or the thread was descheduled while polling (then it does not poll for
-    /// [`CONTENDED_BACKOFF`]), or more than [`POLL_MAX_IN_FLIGHT`] operations are in flight.
+    /// [`CONTENDED_BACKOFF`]; see [`PREEMPTED`]), or more than [`POLL_MAX_IN_FLIGHT`]
+    /// operations are in flight.
     /// `reap` is called each round: it hands the completions already posted on the shard's
     /// ring to their futures (when at most [`POLL_MAX_IN_FLIGHT`] are in flight) and returns
     /// how many operations are still in flight. Time spent
@@ -281,16 +284,16 @@ impl IdlePoll {
             {
                 return false;
             }
-            let before_cpu = *last_cpu.get_or_insert_with(thread_cpu_time);
+            let (before_cpu, before_switches) = *last_cpu.get_or_insert_with(thread_usage);
             // Deferred until the runtime has polled its driver with a zero timeout.
             tokio::task::yield_now().await;
-            let (now, cpu) = (Instant::now(), thread_cpu_time());
+            let (now, (cpu, switches)) = (Instant::now(), thread_usage());
             let off_cpu = (now - last).saturating_sub(cpu.saturating_sub(before_cpu));
-            if off_cpu > self.preempted {
+            if off_cpu > self.preempted && switches > before_switches {
                 self.backoff_until = Some(now + CONTENDED_BACKOFF);
                 return !rx.is_empty();
             }
-            (last, last_cpu) = (now, Some(cpu));
+            (last, last_cpu) = (now, Some((cpu, switches)));
         }
     }
 }
@@ -619,26 +622,85 @@ mod tests {
     }
 
     #[test]
-    fn a_shard_descheduled_while_polling_parks_and_backs_off() {
+    fn a_shard_blocking_in_a_system_call_while_polling_is_not_taken_for_descheduled() {
         on_local(async {
             let (_tx, rx) = tokio::sync::mpsc::unbounded_channel::<Msg>();
-            let active = Cell::new(Instant::now());
-            let mut poll = uncontended(Duration::from_secs(3600));
-            poll.preempted = PREEMPTED;
-            // A round in which the thread is off its CPU for a millisecond (as when the OS
-            // runs another thread on the core).
-            let _off_cpu = tokio::task::spawn_local(async {
-                tokio::task::yield_now().await;
-                std::thread::sleep(Duration::from_millis(1));
-            });
-            let before = Instant::now();
-            assert!(!poll.poll(&rx, &active, || 0).await);
-            let until = poll.backoff_until.expect("backing off");
-            assert!(until >= before + CONTENDED_BACKOFF);
-            // While backing off it parks at once, though its poll time is far from up.
-            poll.backoff_until = Some(Instant::now() + Duration::from_secs(3600));
-            active.set(Instant::now());
-            assert!(!poll.poll(&rx, &active, || 0).await);
+            // Retried until a poll ran without the OS preempting the thread (the tests run on
+            // a loaded machine; a preemption may rightly end the poll).
+            loop {
+                let active = Cell::new(Instant::now());
+                let mut poll = uncontended(Duration::from_millis(20));
+                poll.preempted = PREEMPTED;
+                // A woken future that blocks for a millisecond (as a submission waiting for
+                // the device): off the CPU, but a voluntary switch.
+                let blocks = tokio::task::spawn_local(async {
+                    tokio::task::yield_now().await;
+                    std::thread::sleep(Duration::from_millis(1));
+                });
+                let (_, switches) = thread_usage();
+                let parked = !poll.poll(&rx, &active, || 0).await;
+                blocks.await.unwrap();
+                if thread_usage().1 != switches {
+                    continue;
+                }
+                assert!(parked);
+                assert!(
+                    poll.backoff_until.is_none(),
+                    "took a sleep for a preemption"
+                );
+                assert!(active.get().elapsed() >= Duration::from_millis(20));
+                break;
+            }
         });
+    }
+
+    #[test]
+    fn a_shard_preempted_while_polling_parks_and_backs_off() {
+        let Some(core) = core_affinity::get_core_ids().and_then(|c| c.first().copied()) else {
+            eprintln!("cannot list the cores: skipped");
+            return;
+        };
+        // A thread that spins on the same core as the polling one, so the OS preempts them in
+        // turn.
+        let stop = Arc::new(crate::sync::AtomicU64::new(0));
+        let hog = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                core_affinity::set_for_current(core);
+                // Relaxed: a flag polled in a loop; nothing else is published with it.
+                while stop.load(Ordering::Relaxed) == 0 {
+                    std::hint::spin_loop();
+                }
+            })
+        };
+        let pinned = std::thread::spawn(move || {
+            if !core_affinity::set_for_current(core) {
+                return None;
+            }
+            let mut got = None;
+            on_local(async {
+                let (_tx, rx) = tokio::sync::mpsc::unbounded_channel::<Msg>();
+                let active = Cell::new(Instant::now());
+                let mut poll = uncontended(Duration::from_secs(3600));
+                poll.preempted = PREEMPTED;
+                let before = Instant::now();
+                assert!(!poll.poll(&rx, &active, || 0).await);
+                let until = poll.backoff_until.expect("backing off");
+                assert!(until >= before + CONTENDED_BACKOFF);
+                // While backing off it parks at once, though its poll time is far from up.
+                poll.backoff_until = Some(Instant::now() + Duration::from_secs(3600));
+                active.set(Instant::now());
+                assert!(!poll.poll(&rx, &active, || 0).await);
+                got = Some(());
+            });
+            got
+        })
+        .join();
+        // Relaxed: see the loop above.
+        stop.store(1, Ordering::Relaxed);
+        hog.join().unwrap();
+        if pinned.unwrap().is_none() {
+            eprintln!("cannot pin threads: skipped");
+        }
     }
 }
