@@ -1,14 +1,43 @@
 //! Real I/O: 4 KiB O_DIRECT random reads through `ThrottledFile` (io_uring backend, an
-//! unthrottled dispatcher) against the same reads issued directly on an io_uring from the
-//! benchmark thread, at queue depth 1 and 32. The ratio is the dispatch overhead per request.
-//! `throttled_file_on_shard` issues the depth-1 reads from a task running on the shard, as a
-//! thread-per-core engine does (no hop from the caller's thread to the shard and back).
+//! unthrottled dispatcher) against the same reads issued directly on an io_uring, at queue
+//! depth 1 and 32. The ratio is the dispatch overhead per request.
 //!
 //! ```text
 //! cargo bench --bench benches -- disk
 //! ```
 //!
+//! What each case does (the thread counts are those a user has):
+//!
+//! - `direct_io_uring`: the baseline, the cheapest way to issue the reads: the benchmark thread
+//!   pushes them on its own ring and sleeps in `io_uring_enter` (`submit_and_wait`) for the
+//!   completions. One thread, no runtime, no wake-up but the kernel's.
+//! - `throttled_file`: a task on a tokio current-thread runtime on the benchmark thread (an
+//!   ordinary caller, not on a shard) calls `ThrottledFile::read_at`: the request goes to the
+//!   dispatcher's one shard thread, which submits it to its ring, reaps the completion on its
+//!   reactor and wakes the caller's task. Two threads: the caller's and the shard's, with the
+//!   shard's default [idle poll] (it polls for 200 µs after its last activity instead of
+//!   parking).
+//! - `throttled_file_parked`: the same with `idle_poll(Duration::ZERO)`: the shard
+//!   parks as soon as it is idle, so the request and the completion each pay a thread wake-up.
+//! - `cross_thread_floor` (depth 1, in `disk/ratios` only): no dispatcher: a thread that
+//!   busy-polls for requests and for its ring's completions, handed each read by a task on the
+//!   benchmark thread's runtime through a channel and answering through a oneshot. The floor of
+//!   any design in which the caller is not on the I/O thread: what it costs over direct
+//!   io_uring is the hop to the other thread and back (mostly waking the caller's thread).
+//! - `throttled_file_on_shard` (depth 1): the reads are issued from a task running *on* the
+//!   shard (thread-per-core use: the engine's code runs on the shards), so only the completion
+//!   is a hop, inside the shard.
+//!
+//! Before the criterion groups, `disk/ratios` runs every case in interleaved rounds (each case
+//! once per round, in a fresh random order), so that the noise of a shared machine hits all alike, and prints the median
+//! time per read of each case, its ratio to `direct_io_uring` at the same depth, and the CPU
+//! the shard threads used per second of each case (from `/proc/self/task/*/schedstat`), and
+//! while idle. It runs when no filter is given, or the filter names `disk` but not one `read_4k` case, or
+//! names `ratios`.
+//!
 //! The scratch file (64 MiB) lives under the target directory, which must be on a real disk.
+//!
+//! [idle poll]: iothrottle::dispatcher::DispatcherBuilder::idle_poll
 
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
@@ -25,11 +54,15 @@ const FILE: u64 = 64 << 20;
 
 struct Rng(u64);
 impl Rng {
-    fn offset(&mut self) -> u64 {
+    fn next(&mut self) -> u64 {
         self.0 ^= self.0 << 13;
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;
-        (self.0 % (FILE / ALIGN as u64)) * ALIGN as u64
+        self.0
+    }
+
+    fn offset(&mut self) -> u64 {
+        (self.next() % (FILE / ALIGN as u64)) * ALIGN as u64
     }
 }
 
@@ -111,6 +144,75 @@ fn throttled(
     start.elapsed()
 }
 
+/// A read asked of the [`floor`] thread: its offset, and where to say it is done.
+type FloorReq = (u64, tokio::sync::oneshot::Sender<i32>);
+
+/// The floor of any design in which a caller that is not on the I/O thread hands it a read: a
+/// thread that does nothing but busy-poll for requests (then parks after 1 ms without one), submit
+/// each read on its own ring and busy-poll the completion queue (no system call but the
+/// submission), and answer through a oneshot channel, which wakes the caller's task as the
+/// dispatcher's shard does. No dispatcher, no queue, no tokens: what is left over direct
+/// io_uring is the hop to the other thread and back.
+fn spawn_floor(
+    fd: i32,
+) -> (
+    tokio::sync::mpsc::UnboundedSender<FloorReq>,
+    std::thread::JoinHandle<()>,
+) {
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<FloorReq>();
+    let t = std::thread::spawn(move || {
+        let mut ring = IoUring::new(8).unwrap();
+        let mut buf = AlignedBuf::zeroed(ALIGN).unwrap();
+        loop {
+            let start = Instant::now();
+            let req = loop {
+                match rx.try_recv() {
+                    Ok(r) => break Some(r),
+                    Err(tokio::sync::mpsc::error::TryRecvError::Disconnected) => return,
+                    Err(_) if start.elapsed() > Duration::from_millis(1) => {
+                        break rx.blocking_recv()
+                    }
+                    Err(_) => std::hint::spin_loop(),
+                }
+            };
+            let Some((offset, reply)) = req else { return };
+            let e = opcode::Read::new(types::Fd(fd), buf.as_mut_ptr(), ALIGN as u32)
+                .offset(offset)
+                .build();
+            // SAFETY: `buf` serves one read at a time and outlives it (we wait for it below).
+            unsafe { ring.submission().push(&e).unwrap() };
+            ring.submit().unwrap();
+            let res = loop {
+                if let Some(c) = ring.completion().next() {
+                    break c.result();
+                }
+                std::hint::spin_loop();
+            };
+            let _ = reply.send(res);
+        }
+    });
+    (tx, t)
+}
+
+/// `iters` reads at depth 1 through the [`spawn_floor`] thread, from a task on `rt`.
+fn floor(
+    rt: &tokio::runtime::Runtime,
+    tx: &tokio::sync::mpsc::UnboundedSender<FloorReq>,
+    iters: u64,
+    rng: &mut Rng,
+) -> Duration {
+    let offsets: Vec<u64> = (0..iters).map(|_| rng.offset()).collect();
+    let start = Instant::now();
+    rt.block_on(async {
+        for off in offsets {
+            let (done, wait) = tokio::sync::oneshot::channel();
+            tx.send((off, done)).unwrap();
+            assert_eq!(wait.await.unwrap(), ALIGN as i32);
+        }
+    });
+    start.elapsed()
+}
+
 /// `iters` reads at depth 1 issued from a task running *on* the shard (thread-per-core use: the
 /// engine's code runs on the shards), so no request crosses threads except the completion.
 fn on_shard(
@@ -150,26 +252,17 @@ pub fn disk(c: &mut Criterion) {
         }
         f.sync_all().unwrap();
     }
-    let mut b = Dispatcher::builder()
-        .shards(1)
-        .pin_threads(false)
-        .rate(Rate::per_second(Rate::MAX_PER_SECOND))
-        .limit(1 << 50)
-        .threshold(1 << 20)
-        .batch(1 << 30)
-        .disk(DiskModel::new(
-            1_000_000_000,
-            1_000_000_000,
-            100_000,
-            100_000,
-        ));
-    let class = b.add_class(ClassConfig::new("c", 100)).unwrap();
-    let dispatcher = Arc::new(b.build().unwrap());
+    let (dispatcher, class) = unthrottled(None);
+    let (parked_dispatcher, parked_class) = unthrottled(Some(Duration::ZERO));
     let opts = FileOptions {
         backend: Backend::IoUring,
         ..FileOptions::default()
     };
-    let file = Arc::new(ThrottledFile::open(dispatcher.clone(), class, &path, opts).unwrap());
+    let file =
+        Arc::new(ThrottledFile::open(dispatcher.clone(), class, &path, opts.clone()).unwrap());
+    let parked = Arc::new(
+        ThrottledFile::open(parked_dispatcher.clone(), parked_class, &path, opts).unwrap(),
+    );
     let raw = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_DIRECT)
@@ -184,6 +277,61 @@ pub fn disk(c: &mut Criterion) {
         .build()
         .unwrap();
     let mut rng = Rng(0x1234_5678_9abc_def1);
+
+    if wants_ratios() {
+        // A second ring and buffers for the deep case, so both direct cases live at once.
+        let mut deep_ring = IoUring::new(64).unwrap();
+        let mut deep_bufs: Vec<AlignedBuf> = (0..32)
+            .map(|_| AlignedBuf::zeroed(ALIGN).unwrap())
+            .collect();
+        let (floor_tx, floor_thread) = spawn_floor(raw.as_raw_fd());
+        let mut cases: Vec<(&str, usize, Case<'_>)> = vec![
+            (
+                "cross_thread_floor",
+                1,
+                Box::new(|n, rng| floor(&rt, &floor_tx, n, rng)),
+            ),
+            (
+                "direct_io_uring",
+                1,
+                Box::new(|n, rng| direct(&mut ring, raw.as_raw_fd(), &mut bufs, 1, n, rng)),
+            ),
+            (
+                "throttled_file",
+                1,
+                Box::new(|n, rng| throttled(&rt, &file, 1, n, rng)),
+            ),
+            (
+                "throttled_file_parked",
+                1,
+                Box::new(|n, rng| throttled(&rt, &parked, 1, n, rng)),
+            ),
+            (
+                "throttled_file_on_shard",
+                1,
+                Box::new(|n, rng| on_shard(&rt, &dispatcher, class, &file, n, rng)),
+            ),
+        ];
+        cases.push((
+            "direct_io_uring",
+            32,
+            Box::new(|n, rng| direct(&mut deep_ring, raw.as_raw_fd(), &mut deep_bufs, 32, n, rng)),
+        ));
+        cases.push((
+            "throttled_file",
+            32,
+            Box::new(|n, rng| throttled(&rt, &file, 32, n, rng)),
+        ));
+        cases.push((
+            "throttled_file_parked",
+            32,
+            Box::new(|n, rng| throttled(&rt, &parked, 32, n, rng)),
+        ));
+        ratios(&mut cases, &mut rng);
+        drop(cases);
+        drop(floor_tx);
+        floor_thread.join().unwrap();
+    }
 
     let mut g = c.benchmark_group("disk/read_4k");
     for depth in [1usize, 32] {
@@ -202,6 +350,9 @@ pub fn disk(c: &mut Criterion) {
         g.bench_function(BenchmarkId::new("throttled_file", depth), |bch| {
             bch.iter_custom(|iters| throttled(&rt, &file, depth, iters, &mut rng))
         });
+        g.bench_function(BenchmarkId::new("throttled_file_parked", depth), |bch| {
+            bch.iter_custom(|iters| throttled(&rt, &parked, depth, iters, &mut rng))
+        });
         if depth == 1 {
             g.bench_function(BenchmarkId::new("throttled_file_on_shard", depth), |bch| {
                 bch.iter_custom(|iters| on_shard(&rt, &dispatcher, class, &file, iters, &mut rng))
@@ -209,6 +360,134 @@ pub fn disk(c: &mut Criterion) {
         }
     }
     g.finish();
+}
+
+/// An unthrottled one-shard dispatcher (the rate and limit far above the disk's), with the given
+/// idle poll (`None`: the default).
+fn unthrottled(idle_poll: Option<Duration>) -> (Arc<Dispatcher>, ClassId) {
+    let mut b = Dispatcher::builder()
+        .shards(1)
+        .pin_threads(false)
+        .rate(Rate::per_second(Rate::MAX_PER_SECOND))
+        .limit(1 << 50)
+        .threshold(1 << 20)
+        .batch(1 << 30)
+        .disk(DiskModel::new(
+            1_000_000_000,
+            1_000_000_000,
+            100_000,
+            100_000,
+        ));
+    if let Some(t) = idle_poll {
+        b = b.idle_poll(t);
+    }
+    let class = b.add_class(ClassConfig::new("c", 100)).unwrap();
+    (Arc::new(b.build().unwrap()), class)
+}
+
+/// One case of the interleaved comparison: runs `n` reads, returns the elapsed time.
+type Case<'a> = Box<dyn FnMut(u64, &mut Rng) -> Duration + 'a>;
+
+/// Whether the command line selects the disk benchmarks (or none in particular).
+fn wants_ratios() -> bool {
+    let words: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-') && a.parse::<f64>().is_err())
+        .collect();
+    words.is_empty()
+        || words
+            .iter()
+            .any(|w| w.contains("ratios") || (w.contains("disk") && !w.contains("read_4k")))
+}
+
+/// Nanoseconds the shard threads of this process have run on a CPU (schedstat's first field).
+fn shard_cpu_ns() -> u64 {
+    let mut total = 0;
+    for task in std::fs::read_dir("/proc/self/task")
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        if !comm.starts_with("iothrottle-shar") {
+            continue;
+        }
+        let stat = std::fs::read_to_string(task.path().join("schedstat")).unwrap_or_default();
+        total += stat
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0);
+    }
+    total
+}
+
+/// Runs the cases in interleaved rounds (in a fresh random order each round) and prints, per
+/// case, the median time per read, the median of
+/// its per-round ratios to the direct baseline of the same depth in the same round (robust to
+/// drift: the machine's load changes between rounds, hardly within one), and the shard
+/// threads' CPU use.
+fn ratios(cases: &mut [(&str, usize, Case<'_>)], rng: &mut Rng) {
+    const ROUNDS: usize = 31;
+    let reads = |depth: usize| if depth == 1 { 150 } else { 1_500 };
+    let k = cases.len();
+    let mut per_read = vec![Vec::with_capacity(ROUNDS); k];
+    let mut cpu = vec![Vec::with_capacity(ROUNDS); k];
+    // One warm-up round, not counted.
+    for (_, depth, run) in cases.iter_mut() {
+        run(reads(*depth) as u64 / 2, rng);
+    }
+    for _ in 0..ROUNDS {
+        // A fresh order each round, so that no case always follows the same one.
+        let mut order: Vec<usize> = (0..k).collect();
+        for j in (1..k).rev() {
+            order.swap(j, (rng.next() % (j as u64 + 1)) as usize);
+        }
+        for i in order {
+            let (_, depth, run) = &mut cases[i];
+            let n = reads(*depth) as u64;
+            let before = shard_cpu_ns();
+            let took = run(n, rng);
+            let used = shard_cpu_ns() - before;
+            // Each case runs once a round: entry `r` is round `r`.
+            per_read[i].push(took.as_secs_f64() * 1e6 / n as f64);
+            cpu[i].push(used as f64 / took.as_nanos() as f64);
+        }
+    }
+    let idle = {
+        std::thread::sleep(Duration::from_millis(50));
+        let before = shard_cpu_ns();
+        let start = Instant::now();
+        std::thread::sleep(Duration::from_millis(500));
+        (shard_cpu_ns() - before) as f64 / start.elapsed().as_nanos() as f64
+    };
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    println!("disk/ratios: 4 KiB O_DIRECT random reads, {ROUNDS} interleaved rounds, medians");
+    println!(
+        "{:<26} {:>5} {:>10} {:>8} {:>12}",
+        "case", "depth", "µs/read", "ratio", "shard CPU"
+    );
+    for i in 0..k {
+        let (name, depth, _) = &cases[i];
+        let base = (0..k)
+            .find(|&b| cases[b].0 == "direct_io_uring" && cases[b].1 == *depth)
+            .unwrap_or(i);
+        let ratio: Vec<f64> = (0..ROUNDS)
+            .map(|r| per_read[i][r] / per_read[base][r])
+            .collect();
+        println!(
+            "{:<26} {:>5} {:>10.1} {:>7.2}× {:>11.0}%",
+            name,
+            depth,
+            median(per_read[i].clone()),
+            median(ratio),
+            100.0 * median(cpu[i].clone())
+        );
+    }
+    println!("shard threads while idle (0.5 s): {:.1}% CPU", 100.0 * idle);
 }
 
 criterion::criterion_group!(benches, disk);

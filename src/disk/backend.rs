@@ -400,6 +400,36 @@ fn reap_thread(driver: Arc<Driver>, until_idle: bool) {
     }
 }
 
+/// Hands the completions already posted on the calling thread's ring to their futures, when a
+/// task on this thread is its reaper (a dispatcher shard) and at most `max_in_flight`
+/// operations are in flight on it; returns how many are still in flight (0 off a shard). A
+/// polling shard calls it each round, so a completion reaches its future without waiting for
+/// the eventfd to go through the runtime's I/O driver (the reaper task then finds nothing
+/// left). With more in flight nothing is reaped here: the reaper task takes the completions
+/// in batches, as the eventfd wakes it.
+pub(crate) fn reap_here(max_in_flight: usize) -> usize {
+    let driver = match LOCAL.try_with(|l| l.borrow().0.clone()) {
+        Ok(Some(d)) => d,
+        _ => return 0,
+    };
+    {
+        let mut g = driver.lock();
+        if g.reaper != Reaper::Task {
+            return 0;
+        }
+        if g.pending.is_empty() || g.pending.len() > max_in_flight || g.ring.completion().is_empty()
+        {
+            return g.pending.len();
+        }
+    }
+    let mut left = 0;
+    driver.reap(|g| {
+        left = g.pending.len();
+        false
+    });
+    left
+}
+
 /// The calling thread's ring, closed when the thread exits.
 struct Local(Option<Arc<Driver>>);
 
@@ -747,6 +777,71 @@ mod tests {
             "{} bytes left",
             rest.len()
         );
+    }
+
+    /// On a shard, `reap_here` hands a posted completion to its future at once (a polling shard
+    /// calls it each round); with nothing posted, or off a shard, it reaps nothing.
+    #[test]
+    fn on_a_shard_reap_here_hands_a_posted_completion_to_its_future() {
+        if uring_available().is_err() {
+            eprintln!("io_uring unavailable: skipped");
+            return;
+        }
+        // Off a shard: the ring (if any) is a reaper thread's.
+        assert_eq!(reap_here(1), 0);
+        let mut b = Dispatcher::builder()
+            .shards(1)
+            .pin_threads(false)
+            .disk(DiskModel::new(1 << 30, 1 << 30, 100_000, 100_000));
+        let class = b.add_class(ClassConfig::new("io", 100)).unwrap();
+        let d = b.build().unwrap();
+        let job = d
+            .submit(class, IoRequest::write(4096), async {
+                let page = super::super::ALIGN;
+                let (mut rd, wr) = full_pipe();
+                let buf = Arc::new(AlignedBuf::from_slice(&vec![9u8; page]).unwrap());
+                let io = RawIo {
+                    kind: OpKind::Write,
+                    file: wr,
+                    buf: Some(buf.clone()),
+                    start: 0,
+                    len: page,
+                    offset: 0,
+                };
+                let mut fut = Box::pin(run(Resolved::IoUring, io));
+                let first =
+                    std::future::poll_fn(|cx| std::task::Poll::Ready(fut.as_mut().poll(cx))).await;
+                assert!(first.is_pending(), "the pipe is full");
+                assert_eq!(reap_here(1), 1, "nothing posted yet");
+                let mut got = vec![0u8; page];
+                rd.read_exact(&mut got).unwrap();
+                // More in flight than allowed: left to the reaper task, which cannot run
+                // before this task yields.
+                std::thread::sleep(Duration::from_millis(1));
+                assert_eq!(reap_here(0), 1, "left to the reaper task");
+                assert_eq!(Arc::strong_count(&buf), 2);
+                // The kernel posts the completion on this thread's next return from a system
+                // call. Polled, not timed.
+                while reap_here(1) > 0 {
+                    std::thread::yield_now();
+                }
+                assert_eq!(Arc::strong_count(&buf), 1, "reaped: the table let go");
+                assert_eq!(fut.await.unwrap(), page);
+                rd.read_exact(&mut got).unwrap();
+                assert!(got.iter().all(|&b| b == 9));
+                assert_eq!(reap_here(1), 0, "nothing left");
+            })
+            .unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            tokio::time::timeout(Duration::from_secs(60), job)
+                .await
+                .expect("the completion was never reaped")
+                .unwrap()
+        });
     }
 
     #[test]

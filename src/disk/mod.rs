@@ -31,6 +31,7 @@ mod file;
 mod fs;
 mod props;
 
+pub(crate) use backend::reap_here;
 pub use backend::{Backend, Resolved, BACKEND_ENV};
 pub use buf::{AlignedBuf, ALIGN};
 pub use calibrate::{calibrate, calibrate_detailed, CalibrateOptions, Calibration, DepthStep};

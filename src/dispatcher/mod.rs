@@ -124,6 +124,12 @@ pub(crate) struct Shared {
     /// One per shard: notified when a completion gives capacity back (capped mode), so that a
     /// shard waiting for it re-polls at once instead of at its next timed check.
     pub(crate) released: Vec<tokio::sync::Notify>,
+    /// How long an idle shard keeps polling after its last activity before it parks
+    /// ([`DispatcherBuilder::idle_poll`]).
+    pub(crate) idle_poll: Duration,
+    /// One per shard: how many times its thread parked with nothing queued (a statistic, for
+    /// the tests of the idle poll).
+    pub(crate) parks: Vec<AtomicU64>,
 }
 
 /// Counts the shard threads still running; each decrements it as it ends (even by a panic).
@@ -216,6 +222,8 @@ impl Shared {
             panics: AtomicU64::new(0),
             exits: ExitLatch::new(shards),
             released: (0..shards).map(|_| tokio::sync::Notify::new()).collect(),
+            idle_poll: DispatcherBuilder::DEFAULT_IDLE_POLL,
+            parks: (0..shards).map(|_| AtomicU64::new(0)).collect(),
         }
     }
 
@@ -300,6 +308,7 @@ pub struct DispatcherBuilder {
     idle_credit: Option<u64>,
     capped: bool,
     pin: bool,
+    idle_poll: Duration,
     classes: Vec<ClassConfig>,
     clock: ArcClock,
     /// The checkpointed bucket's own bucket and its gate ([`checkpoint`](Self::checkpoint)).
@@ -340,6 +349,7 @@ impl DispatcherBuilder {
             idle_credit: None,
             capped: true,
             pin: true,
+            idle_poll: Self::DEFAULT_IDLE_POLL,
             classes: Vec::new(),
             clock: Arc::new(MonotonicClock::new()),
             checkpoint: None,
@@ -449,6 +459,30 @@ impl DispatcherBuilder {
     /// unpinned and a `tracing` warning says so.
     pub fn pin_threads(mut self, pin: bool) -> Self {
         self.pin = pin;
+        self
+    }
+
+    /// The default [idle poll](Self::idle_poll): 200 µs, as Seastar's `--idle-poll-time-us`.
+    pub const DEFAULT_IDLE_POLL: Duration = Duration::from_micros(200);
+
+    /// How long a shard with nothing queued keeps polling (its channel, its runtime's I/O
+    /// driver and timers, so its io_uring completions too) after its last activity — a request
+    /// received or dispatched, a request ending — before it parks its thread. Default
+    /// [`DEFAULT_IDLE_POLL`](Self::DEFAULT_IDLE_POLL); `Duration::ZERO` turns polling off.
+    ///
+    /// A parked shard pays a thread wake-up (tens of µs on a VM) for the next request and for
+    /// each completion; a polling one picks both up at once. It polls only while at most one
+    /// io_uring operation is in flight on its ring: with more, each wake-up already serves
+    /// several completions, and polling would take the CPU the submitting threads need. The
+    /// cost is CPU: a shard serving
+    /// one request at a time keeps its core busy, and an idle shard stops polling within this
+    /// time of its last activity (a quiet dispatcher uses no CPU). A polling round in which the
+    /// OS preempted the thread and it was off its CPU for over 50 µs means another thread
+    /// wants the core: the shard then parks at once whenever idle for the next 10 ms, so
+    /// polling does not compete with the application's threads. The bound is wall-clock time (`Instant`), not the
+    /// dispatcher's [`clock`](Self::clock).
+    pub fn idle_poll(mut self, time: Duration) -> Self {
+        self.idle_poll = time;
         self
     }
 
@@ -637,6 +671,7 @@ impl DispatcherBuilder {
             shards,
         );
         shared.gate = gate;
+        shared.idle_poll = self.idle_poll;
         Ok((Arc::new(shared), shards))
     }
 }

@@ -8,7 +8,7 @@
 use std::cell::{Cell, RefCell};
 use std::rc::{Rc, Weak};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::error::TryRecvError;
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -88,6 +88,9 @@ struct InFlight {
     shared: Arc<Shared>,
     /// The shard's core, to record completions in its stats (gone once the shard stopped).
     core: Weak<RefCell<ShardCore<BoxTask>>>,
+    /// The shard's last activity (a message received, a request dispatched or ended), in
+    /// wall-clock time: an idle shard polls until [`Shared::idle_poll`] after it.
+    active: Cell<Instant>,
 }
 
 /// Held by a running request: when dropped (the future ended, or was torn down), its tokens are
@@ -158,6 +161,7 @@ impl Drop for Completion {
                 core.completed(self.class, self.cost, self.times, now);
             }
         }
+        self.inflight.active.set(Instant::now());
         let n = self.inflight.count.get() - 1;
         self.inflight.count.set(n);
         if n == 0 {
@@ -200,6 +204,100 @@ pub(crate) fn spawn(
         })
 }
 
+/// A polling round in which the thread was preempted (an involuntary context switch) and off
+/// its CPU for longer than this (wall-clock time minus the thread's CPU time) means its core is
+/// wanted by another thread. Blocking in a system call (a submission waiting for the device)
+/// is a voluntary switch and does not count; a kernel worker's short run does not either.
+const PREEMPTED: Duration = Duration::from_micros(50);
+/// After a descheduled round, the shard parks at once when idle for this long (polling a
+/// contended core costs the other threads CPU and the shard its wake-up priority).
+const CONTENDED_BACKOFF: Duration = Duration::from_millis(10);
+
+/// A shard polls only while at most this many io_uring operations are in flight on its ring.
+/// With more, each wake-up already serves several completions (they arrive while it wakes), and
+/// polling would only take the CPU the submitting threads need; with one, every event would
+/// cost a wake-up.
+const POLL_MAX_IN_FLIGHT: usize = 1;
+
+/// The calling thread's CPU time and its involuntary context switches so far (the times the
+/// OS took its CPU to run another thread), from `getrusage(RUSAGE_THREAD)`; zeros if refused.
+fn thread_usage() -> (Duration, i64) {
+    // SAFETY: `rusage` is plain old data; all zeros is a valid value.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: writes one `rusage` into a live local.
+    if unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut ru) } != 0 {
+        return (Duration::ZERO, 0);
+    }
+    let micros = |t: libc::timeval| t.tv_sec.max(0) as u64 * 1_000_000 + t.tv_usec.max(0) as u64;
+    (
+        Duration::from_micros(micros(ru.ru_utime) + micros(ru.ru_stime)),
+        ru.ru_nivcsw as i64,
+    )
+}
+
+/// A shard's idle poll ([`DispatcherBuilder::idle_poll`](super::DispatcherBuilder::idle_poll)).
+struct IdlePoll {
+    /// Poll for this long after the last activity; zero: never.
+    time: Duration,
+    /// A round off the CPU for longer than this means the core is contended ([`PREEMPTED`]).
+    preempted: Duration,
+    /// No polling before this (the core was found contended).
+    backoff_until: Option<Instant>,
+}
+
+impl IdlePoll {
+    /// Polls while the shard is idle, for up to `time` after its last activity: each round
+    /// lets the runtime poll its I/O driver without blocking and run what that woke (the
+    /// io_uring reaper, the requests' futures), then checks the channel. Returns `true` when a
+    /// message is waiting, `false` when the shard should park: the time is up, polling is off,
+    /// or the thread was descheduled while polling (then it does not poll for
+    /// [`CONTENDED_BACKOFF`]; see [`PREEMPTED`]), or more than [`POLL_MAX_IN_FLIGHT`]
+    /// operations are in flight.
+    /// `reap` is called each round: it hands the completions already posted on the shard's
+    /// ring to their futures (when at most [`POLL_MAX_IN_FLIGHT`] are in flight) and returns
+    /// how many operations are still in flight. Time spent
+    /// running the woken futures does not count as descheduled: only wall-clock time the
+    /// thread spent off its CPU does.
+    async fn poll(
+        &mut self,
+        rx: &UnboundedReceiver<Msg>,
+        active: &Cell<Instant>,
+        mut reap: impl FnMut() -> usize,
+    ) -> bool {
+        if self.time.is_zero() {
+            return false;
+        }
+        let mut last = Instant::now();
+        if self.backoff_until.is_some_and(|t| last < t) {
+            return false;
+        }
+        // Read only once the shard does poll (a system call): a shard that parks at once
+        // (too much in flight) pays nothing for it.
+        let mut last_cpu = None;
+        loop {
+            if !rx.is_empty() {
+                return true;
+            }
+            // io_uring completions already posted reach their futures now; they run below.
+            if last.saturating_duration_since(active.get()) >= self.time
+                || reap() > POLL_MAX_IN_FLIGHT
+            {
+                return false;
+            }
+            let (before_cpu, before_switches) = *last_cpu.get_or_insert_with(thread_usage);
+            // Deferred until the runtime has polled its driver with a zero timeout.
+            tokio::task::yield_now().await;
+            let (now, (cpu, switches)) = (Instant::now(), thread_usage());
+            let off_cpu = (now - last).saturating_sub(cpu.saturating_sub(before_cpu));
+            if off_cpu > self.preempted && switches > before_switches {
+                self.backoff_until = Some(now + CONTENDED_BACKOFF);
+                return !rx.is_empty();
+            }
+            (last, last_cpu) = (now, Some((cpu, switches)));
+        }
+    }
+}
+
 async fn run(
     index: usize,
     shared: Arc<Shared>,
@@ -215,7 +313,13 @@ async fn run(
         idle: Notify::new(),
         shared: shared.clone(),
         core: Rc::downgrade(&core),
+        active: Cell::new(Instant::now()),
     });
+    let mut idle_poll = IdlePoll {
+        time: shared.idle_poll,
+        preempted: PREEMPTED,
+        backoff_until: None,
+    };
     let mut closing: Option<ShutdownMode> = None;
     let mut open = true;
 
@@ -243,7 +347,10 @@ async fn run(
     loop {
         while open {
             match rx.try_recv() {
-                Ok(msg) => handle(msg, &mut closing),
+                Ok(msg) => {
+                    inflight.active.set(Instant::now());
+                    handle(msg, &mut closing);
+                }
                 Err(TryRecvError::Empty) => break,
                 Err(TryRecvError::Disconnected) => {
                     open = false;
@@ -259,6 +366,7 @@ async fn run(
         }
         let now = shared.clock.now();
         let next = core.borrow_mut().poll(now, &mut |e| {
+            inflight.active.set(Instant::now());
             inflight.count.set(inflight.count.get() + 1);
             let done = Completion {
                 cost: e.cost,
@@ -274,6 +382,18 @@ async fn run(
         }
         match next {
             Next::Idle => {
+                if open
+                    && idle_poll
+                        .poll(&rx, &inflight.active, || {
+                            crate::disk::reap_here(POLL_MAX_IN_FLIGHT)
+                        })
+                        .await
+                {
+                    // A message is waiting: take it without parking.
+                    continue;
+                }
+                // Relaxed: a statistic.
+                shared.parks[index].fetch_add(1, crate::sync::Ordering::Relaxed);
                 tokio::select! {
                     msg = rx.recv(), if open => match msg {
                         Some(msg) => handle(msg, &mut closing),
@@ -350,4 +470,237 @@ async fn run(
     }
     // Anything still in the channel (submitted while we stopped) is dropped with `rx`: its
     // handles resolve to `DispatchError::ShutDown`.
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dispatcher::{ClassConfig, ClassId, DiskModel, Dispatcher, IoRequest};
+    use crate::sync::Ordering;
+
+    fn one_shard(idle_poll: Duration) -> (Dispatcher, ClassId) {
+        let mut b = Dispatcher::builder()
+            .shards(1)
+            .pin_threads(false)
+            .idle_poll(idle_poll)
+            .disk(DiskModel::new(1 << 30, 1 << 30, 100_000, 100_000));
+        let class = b.add_class(ClassConfig::new("io", 100)).unwrap();
+        (b.build().unwrap(), class)
+    }
+
+    fn parks(d: &Dispatcher) -> u64 {
+        // Relaxed: a statistic; the waits below re-read it.
+        d.shared.parks[0].load(Ordering::Relaxed)
+    }
+
+    /// Waits until shard 0 has parked at least `n` times. Polled, not timed: the test runner's
+    /// timeout catches a shard that never parks.
+    fn wait_parks(d: &Dispatcher, n: u64) {
+        while parks(d) < n {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    fn rt() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    #[test]
+    fn without_idle_poll_the_shard_parks_after_every_request() {
+        let (d, class) = one_shard(Duration::ZERO);
+        let rt = rt();
+        let mut before = parks(&d);
+        for _ in 0..20 {
+            let job = d.submit(class, IoRequest::read(4096), async {}).unwrap();
+            rt.block_on(job).unwrap();
+            // The shard parks before the request's future runs (it runs while the shard
+            // waits), so the count is up before the result arrives.
+            let now = parks(&d);
+            assert!(now > before, "no park for this request ({before} → {now})");
+            before = now;
+        }
+    }
+
+    #[test]
+    fn an_idle_polling_shard_parks_once_the_idle_poll_time_is_up() {
+        let (d, class) = one_shard(Duration::from_millis(2));
+        // Started, nothing submitted: it polls, then parks.
+        wait_parks(&d, 1);
+        let rt = rt();
+        for _ in 0..5 {
+            let before = parks(&d);
+            let job = d.submit(class, IoRequest::read(4096), async {}).unwrap();
+            rt.block_on(job).unwrap();
+            // The request woke it; with nothing more to do it polls, then parks again.
+            wait_parks(&d, before + 1);
+        }
+        d.shutdown();
+    }
+
+    /// An idle poll that never finds its core contended (the tests run on a loaded machine).
+    fn uncontended(time: Duration) -> IdlePoll {
+        IdlePoll {
+            time,
+            preempted: Duration::MAX,
+            backoff_until: None,
+        }
+    }
+
+    /// Runs `f` on a current-thread runtime in a `LocalSet`, as a shard does; a poll that never
+    /// returns fails the test after a minute (a liveness bound, not a speed check).
+    fn on_local<F: std::future::Future<Output = ()>>(f: F) {
+        let rt = rt();
+        let local = tokio::task::LocalSet::new();
+        local.block_on(&rt, async {
+            tokio::time::timeout(Duration::from_secs(60), f)
+                .await
+                .expect("the idle poll never returned")
+        });
+    }
+
+    #[test]
+    fn with_idle_poll_off_the_shard_parks_at_once_even_with_a_message_waiting() {
+        on_local(async {
+            let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Msg>();
+            tx.send(Msg::Wake).unwrap();
+            let active = Cell::new(Instant::now());
+            assert!(!uncontended(Duration::ZERO).poll(&rx, &active, || 0).await);
+            assert!(matches!(rx.try_recv(), Ok(Msg::Wake)));
+        });
+    }
+
+    #[test]
+    fn the_idle_poll_ends_once_its_time_since_the_last_activity_is_up() {
+        on_local(async {
+            let (_tx, rx) = tokio::sync::mpsc::unbounded_channel::<Msg>();
+            let active = Cell::new(Instant::now());
+            let mut poll = uncontended(Duration::from_millis(1));
+            assert!(!poll.poll(&rx, &active, || 0).await);
+            assert!(active.get().elapsed() >= Duration::from_millis(1));
+            assert!(poll.backoff_until.is_none());
+        });
+    }
+
+    #[test]
+    fn a_message_sent_while_the_shard_polls_is_taken_without_parking() {
+        on_local(async {
+            let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Msg>();
+            let active = Cell::new(Instant::now());
+            // Another task on the shard sends after a few rounds (a request submitted from
+            // the shard itself, or one whose completion arrives through the driver).
+            let send = tokio::task::spawn_local(async move {
+                for _ in 0..10 {
+                    tokio::task::yield_now().await;
+                }
+                tx.send(Msg::Wake).unwrap();
+            });
+            assert!(
+                uncontended(Duration::from_secs(3600))
+                    .poll(&rx, &active, || 0)
+                    .await
+            );
+            send.await.unwrap();
+            assert!(matches!(rx.try_recv(), Ok(Msg::Wake)));
+        });
+    }
+
+    #[test]
+    fn a_shard_with_more_than_one_operation_in_flight_parks_at_once() {
+        on_local(async {
+            let (_tx, rx) = tokio::sync::mpsc::unbounded_channel::<Msg>();
+            let active = Cell::new(Instant::now());
+            let mut poll = uncontended(Duration::from_secs(3600));
+            assert!(!poll.poll(&rx, &active, || 2).await);
+            // One in flight: polls (until a message comes).
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Msg>();
+            tx.send(Msg::Wake).unwrap();
+            assert!(poll.poll(&rx, &active, || 1).await);
+        });
+    }
+
+    #[test]
+    fn a_shard_blocking_in_a_system_call_while_polling_is_not_taken_for_descheduled() {
+        on_local(async {
+            let (_tx, rx) = tokio::sync::mpsc::unbounded_channel::<Msg>();
+            // Retried until a poll ran without the OS preempting the thread (the tests run on
+            // a loaded machine; a preemption may rightly end the poll).
+            loop {
+                let active = Cell::new(Instant::now());
+                let mut poll = uncontended(Duration::from_millis(20));
+                poll.preempted = PREEMPTED;
+                // A woken future that blocks for a millisecond (as a submission waiting for
+                // the device): off the CPU, but a voluntary switch.
+                let blocks = tokio::task::spawn_local(async {
+                    tokio::task::yield_now().await;
+                    std::thread::sleep(Duration::from_millis(1));
+                });
+                let (_, switches) = thread_usage();
+                let parked = !poll.poll(&rx, &active, || 0).await;
+                blocks.await.unwrap();
+                if thread_usage().1 != switches {
+                    continue;
+                }
+                assert!(parked);
+                assert!(
+                    poll.backoff_until.is_none(),
+                    "took a sleep for a preemption"
+                );
+                assert!(active.get().elapsed() >= Duration::from_millis(20));
+                break;
+            }
+        });
+    }
+
+    #[test]
+    fn a_shard_preempted_while_polling_parks_and_backs_off() {
+        let Some(core) = core_affinity::get_core_ids().and_then(|c| c.first().copied()) else {
+            eprintln!("cannot list the cores: skipped");
+            return;
+        };
+        // A thread that spins on the same core as the polling one, so the OS preempts them in
+        // turn.
+        let stop = Arc::new(crate::sync::AtomicU64::new(0));
+        let hog = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                core_affinity::set_for_current(core);
+                // Relaxed: a flag polled in a loop; nothing else is published with it.
+                while stop.load(Ordering::Relaxed) == 0 {
+                    std::hint::spin_loop();
+                }
+            })
+        };
+        let pinned = std::thread::spawn(move || {
+            if !core_affinity::set_for_current(core) {
+                return None;
+            }
+            let mut got = None;
+            on_local(async {
+                let (_tx, rx) = tokio::sync::mpsc::unbounded_channel::<Msg>();
+                let active = Cell::new(Instant::now());
+                let mut poll = uncontended(Duration::from_secs(3600));
+                poll.preempted = PREEMPTED;
+                let before = Instant::now();
+                assert!(!poll.poll(&rx, &active, || 0).await);
+                let until = poll.backoff_until.expect("backing off");
+                assert!(until >= before + CONTENDED_BACKOFF);
+                // While backing off it parks at once, though its poll time is far from up.
+                poll.backoff_until = Some(Instant::now() + Duration::from_secs(3600));
+                active.set(Instant::now());
+                assert!(!poll.poll(&rx, &active, || 0).await);
+                got = Some(());
+            });
+            got
+        })
+        .join();
+        // Relaxed: see the loop above.
+        stop.store(1, Ordering::Relaxed);
+        hog.join().unwrap();
+        if pinned.unwrap().is_none() {
+            eprintln!("cannot pin threads: skipped");
+        }
+    }
 }
