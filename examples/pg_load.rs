@@ -405,6 +405,12 @@ async fn run_hot_keys(url: &str, args: &Args, run: &str) {
             .expect("connect"),
     );
     l.install().await.expect("install");
+    // Open every session and prepare its statements first (a deployed service has them
+    // open): the run measures leasing, not connecting.
+    for i in 0..args.connections * 8 {
+        let _ = l.try_acquire_one(&format!("{run}-warm-{i}")).await;
+    }
+    let _ = l.shutdown().await;
     let n = args.keys;
     // One task per key (at least `--workers`): a call that finds its key dry waits for the
     // lease, and must not hold up the other keys' calls.
@@ -415,7 +421,21 @@ async fn run_hot_keys(url: &str, args: &Args, run: &str) {
         let key = l.key(&format!("{run}-hot-{k}")).await.expect("key");
         per_worker[k % tasks_n].push((k, key));
     }
+    // Every key's row exists, full, from `start` on (as its first lease would create it), so
+    // `rate x W + burst` from `start` is exactly what each row makes available.
+    let c = connect(url, args).await;
+    let names: Vec<String> = (0..n).map(|k| format!("{run}-hot-{k}")).collect();
     let start = Instant::now();
+    c.execute(
+        &format!(
+            "INSERT INTO {}.token_bucket (id, micro, ts, granted) \
+             SELECT unnest($1::text[]), $2::bigint * 1000000, clock_timestamp(), 0",
+            args.schema
+        ),
+        &[&names, &args.leased_burst],
+    )
+    .await
+    .expect("create the rows");
     let end = start + Duration::from_secs_f64(args.seconds);
     let mut tasks = Vec::new();
     for mut keys in per_worker.into_iter().filter(|k| !k.is_empty()) {
@@ -423,11 +443,16 @@ async fn run_hot_keys(url: &str, args: &Args, run: &str) {
             let mut granted = Vec::new();
             let mut calls = 0u64;
             let mut got = vec![0u64; keys.len()];
+            let first = vec![start; keys.len()];
+            let mut first_grant = vec![Duration::ZERO; keys.len()];
             loop {
                 for (i, (_, key)) in keys.iter_mut().enumerate() {
                     for _ in 0..16 {
                         calls += 1;
                         if let Ok(true) = key.try_acquire(1).await {
+                            if got[i] == 0 {
+                                first_grant[i] = start.elapsed();
+                            }
                             got[i] += 1;
                         }
                     }
@@ -437,44 +462,110 @@ async fn run_hot_keys(url: &str, args: &Args, run: &str) {
                     break;
                 }
             }
+            // The last call's end: every grant of this task is before it.
+            let last = Instant::now();
             for (i, (k, _)) in keys.iter().enumerate() {
-                granted.push((*k, got[i]));
+                granted.push((*k, got[i], first[i]));
             }
-            (granted, calls)
+            (granted, calls, last, first_grant)
         }));
     }
     let mut granted = vec![0u64; n];
+    let mut firsts = vec![start; n];
     let mut calls = 0;
+    let mut last = start;
+    let mut first_grants = Vec::new();
     for t in tasks {
-        let (g, c) = t.await.expect("worker");
+        let (g, c, t_last, fg) = t.await.expect("worker");
+        first_grants.extend(fg);
         calls += c;
-        for (k, v) in g {
+        last = last.max(t_last);
+        for (k, v, f) in g {
             granted[k] = v;
+            firsts[k] = f;
         }
     }
-    let secs = start.elapsed().as_secs_f64();
+    // The window: from before the first call (before any key's row exists) to the end of the
+    // last call, so `rate x W + burst` is at least what each key's row made available.
+    let secs = last.duration_since(start).as_secs_f64();
+    // Where the missing tokens are: held locally (given back at shutdown) and left in the
+    // rows (refill not leased yet), per key on average.
+    let held: u64 = (0..n)
+        .map(|k| l.local_tokens(&format!("{run}-hot-{k}")))
+        .sum();
+    let left: f64 = c
+        .query_one(
+            &format!(
+                "SELECT coalesce(sum(least($1::bigint * 1000000, micro + $2::bigint * \
+                 (extract(epoch FROM clock_timestamp() - ts) * 1000000)::bigint)), 0)::float8 \
+                 / 1000000 FROM {}.token_bucket WHERE id LIKE $3",
+                args.schema
+            ),
+            &[
+                &args.leased_burst,
+                &args.leased_rate,
+                &format!("{run}-hot-%"),
+            ],
+        )
+        .await
+        .expect("rows")
+        .get(0);
+    println!(
+        "per key: first grant after {:.1} ms (mean), {:.1} ms (last key); at the end {:.1} \
+         tokens held locally, {:.1} left in the row (read after the run)",
+        first_grants.iter().map(|d| d.as_secs_f64()).sum::<f64>() * 1e3 / n as f64,
+        first_grants
+            .iter()
+            .max()
+            .map_or(0.0, |d| d.as_secs_f64() * 1e3),
+        held as f64 / n as f64,
+        left / n as f64
+    );
+    let ls = l.stats();
     let _ = l.shutdown().await;
     let db = l.db_stats();
+    println!(
+        "leases {} in {} statements ({:.1} per statement), {} short, largest {}",
+        ls.leases,
+        ls.lease_statements,
+        ls.leases as f64 / ls.lease_statements.max(1) as f64,
+        ls.short_leases,
+        ls.largest_lease
+    );
+    // Each key: granted against `rate x W + burst`, W from just before its row was created to
+    // the end of the last call: what its row can have made available.
+    let allowed: Vec<f64> = firsts
+        .iter()
+        .map(|f| {
+            args.leased_rate as f64 * last.duration_since(*f).as_secs_f64()
+                + args.leased_burst as f64
+        })
+        .collect();
     let errs: Vec<f64> = granted
         .iter()
-        .map(|&g| (g as f64 - args.leased_burst as f64) / secs / args.leased_rate as f64 - 1.0)
+        .zip(&allowed)
+        .map(|(&g, &a)| g as f64 / a - 1.0)
         .collect();
     let mean = errs.iter().sum::<f64>() / n as f64;
     let lo = errs.iter().cloned().fold(f64::INFINITY, f64::min);
     let hi = errs.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
     println!(
-        "hot keys: {n} keys in one process, {} connections, synchronous_commit={}, {:.1} s: \
-         {:.0} calls/s, {:.0} statements/s; per-key refill vs rate {}/s: mean {:+.2}%, \
-         lowest {:+.2}%, highest {:+.2}%",
+        "hot keys: {n} keys in one process, {} connections, synchronous_commit={}, {:.2} s: \
+         {:.0} calls/s, {:.0} statements/s; granted {} of rate x W + burst = {:.0} \
+         (rate {}/s, burst {}); per key: mean {:+.2}%, lowest {:+.2}%, highest {:+.2}% ({})",
         args.connections,
         if args.async_commit { "off" } else { "on" },
         secs,
         calls as f64 / secs,
         (db.calls + db.retries) as f64 / secs,
+        granted.iter().sum::<u64>(),
+        allowed.iter().sum::<f64>(),
         args.leased_rate,
+        args.leased_burst,
         100.0 * mean,
         100.0 * lo,
-        100.0 * hi
+        100.0 * hi,
+        if hi > 0.0 { "ABOVE" } else { "never above" }
     );
 }
 
@@ -536,6 +627,7 @@ async fn run_spawned(url: &str, args: &Args, run: &str, mode: Mode) {
             .lines()
             .find(|l| l.starts_with("GRANTED="))
             .unwrap_or_else(|| panic!("child output: {text}"));
+        eprintln!("child: {line}");
         let field = |name: &str| -> i64 {
             line.split(' ')
                 .find_map(|f| f.strip_prefix(name))

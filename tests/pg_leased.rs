@@ -498,6 +498,14 @@ async fn bound_holds_across_spawned_processes() {
     assert!(total >= opts.burst() as u64);
 }
 
+/// Lets the runtime run until `leases` leases have been asked for: a lease runs on a task of
+/// its own, so a caller polled once has only spawned it.
+async fn lease_asked(l: &PgLeasedLimiter<ManualClock>, leases: u64) {
+    while l.stats().leases < leases {
+        tokio::task::yield_now().await;
+    }
+}
+
 /// Polls `fut` once: `Some` if it finished.
 async fn poll_once<F: std::future::Future>(mut fut: std::pin::Pin<&mut F>) -> Option<F::Output> {
     std::future::poll_fn(|cx| {
@@ -532,6 +540,7 @@ async fn leased_eviction_never_holds_more_than_max_lease() {
         // The handle runs dry: its slow path leases for "a" and waits for the server.
         let mut on_a = std::pin::pin!(a.try_acquire(1));
         assert!(poll_once(on_a.as_mut()).await.is_none());
+        lease_asked(&l, 2).await;
         // "b" evicts "a" while that lease is in flight.
         assert!(poll_once(on_b.as_mut()).await.is_none());
         // "a" again, through the map: a new state, which leases.
@@ -577,6 +586,7 @@ async fn lease_landing_after_shutdown_gives_its_tokens_back() {
     {
         let mut on_a = std::pin::pin!(a.try_acquire(1));
         assert!(poll_once(on_a.as_mut()).await.is_none()); // its lease is in flight
+        lease_asked(&l, 2).await;
         assert_eq!(l.shutdown().await.unwrap(), 0); // nothing held yet
         assert!(on_a.await.unwrap());
     }
@@ -585,4 +595,77 @@ async fn lease_landing_after_shutdown_gives_its_tokens_back() {
     let s = l.stats();
     assert_eq!((s.leased, s.returned), (300, 199));
     assert_eq!(global_micro(&pg, "a").await, (300 - 101) * 1_000_000);
+}
+
+/// Defect: "every lease is its own statement and commit": with many hot keys a process ran
+/// one statement (one WAL flush) per lease, and 1,000 hot keys got two thirds of their rate.
+/// The leases of all keys waiting for a session now go out as one statement. On a
+/// current-thread runtime the 64 first calls all queue their leases before the first batch
+/// runs; each row gives exactly its lease.
+#[tokio::test]
+async fn leases_of_many_keys_share_one_statement() {
+    let Some(pg) = cluster_or_skip("leases_of_many_keys_share_one_statement") else {
+        return;
+    };
+    let clock = ManualClock::new();
+    let opts = LeaseOptions::new(10, 100, 50).unwrap().with_min_lease(50);
+    let l = std::sync::Arc::new(
+        PgLeasedLimiter::with_clock(
+            &pg.connection_string(),
+            PgOptions::new().with_connections(1),
+            opts,
+            clock.clone(),
+            DbTime::Clock { origin: t0() },
+        )
+        .await
+        .unwrap(),
+    );
+    l.install().await.unwrap();
+    assert!(l.try_acquire("warm", 1).await.unwrap());
+    let before = l.db_stats().calls;
+    let calls: Vec<_> = (0..64)
+        .map(|k| {
+            let l = l.clone();
+            tokio::spawn(async move { l.try_acquire(&format!("k{k}"), 1).await.unwrap() })
+        })
+        .collect();
+    for c in calls {
+        assert!(c.await.unwrap());
+    }
+    let statements = l.db_stats().calls - before;
+    assert!(statements <= 2, "{statements} statements for 64 leases");
+    let s = l.stats();
+    assert_eq!(s.leases, 65);
+    for k in 0..64 {
+        let key = format!("k{k}");
+        assert_eq!(l.local_tokens(&key), 49, "{key}");
+        assert_eq!(global_micro(&pg, &key).await, 50_000_000, "{key}");
+    }
+}
+
+/// Defect: "a cancelled acquire loses the tokens of its lease in flight": the lease ran in
+/// the caller's future, so a caller dropped while its statement was at the server left the
+/// tokens taken from the row and never deposited (and the next call leased again). Leases
+/// now run on a task of their own and always land.
+#[tokio::test]
+async fn cancelled_acquire_mid_lease_loses_no_tokens() {
+    let Some(pg) = cluster_or_skip("cancelled_acquire_mid_lease_loses_no_tokens") else {
+        return;
+    };
+    let clock = ManualClock::new();
+    let opts = LeaseOptions::new(1, 300, 100).unwrap().with_min_lease(100);
+    let l = leased(&pg, opts, &clock).await;
+    // Sessions open, statements prepared.
+    assert!(l.try_acquire("warm", 1).await.unwrap());
+    {
+        let mut call = std::pin::pin!(l.try_acquire("k", 1));
+        assert!(poll_once(call.as_mut()).await.is_none());
+        lease_asked(&l, 2).await; // the lease for "k" is under way
+    } // the caller gives up
+      // The next call is served by that lease: no second lease, nothing lost.
+    assert!(l.try_acquire("k", 1).await.unwrap());
+    let s = l.stats();
+    assert_eq!(s.leases, 2, "{s:?}");
+    assert_eq!(l.local_tokens("k"), 99);
+    assert_eq!(global_micro(&pg, "k").await, 200_000_000);
 }
