@@ -613,16 +613,57 @@ async fn run_spawned(url: &str, args: &Args, run: &str, mode: Mode) {
                     },
                 ])
                 .args(["--child-key", &key])
+                .stdin(std::process::Stdio::piped())
                 .stdout(std::process::Stdio::piped())
                 .spawn()
                 .expect("spawn")
         })
         .collect();
+    // Every child connected and waiting: create the key's row, full (as its first call
+    // would), then start them all. The window starts at the row's creation on the server's
+    // clock, so `rate x W + burst` is exactly what the row makes available.
+    use std::io::{BufRead, Read, Write};
+    let mut children: Vec<_> = children
+        .into_iter()
+        .map(|mut ch| {
+            let mut out = std::io::BufReader::new(ch.stdout.take().expect("stdout"));
+            let mut line = String::new();
+            out.read_line(&mut line).expect("child ready");
+            assert_eq!(line.trim(), "READY", "child: {line}");
+            (ch, out)
+        })
+        .collect();
+    let (rate_i, burst_i) = match mode {
+        Mode::Strict => (args.refill as i64, args.refill as i64 * args.window as i64),
+        _ => (args.leased_rate, args.leased_burst),
+    };
+    let _ = rate_i;
+    let created: i64 = c
+        .query_one(
+            &format!(
+                "INSERT INTO {}.token_bucket (id, micro, ts, granted) \
+                 VALUES ($1, $2::bigint * 1000000, clock_timestamp(), 0) \
+                 RETURNING (extract(epoch FROM ts) * 1000000)::bigint",
+                args.schema
+            ),
+            &[&key, &burst_i],
+        )
+        .await
+        .expect("create the row")
+        .get(0);
+    for (ch, _) in children.iter_mut() {
+        let stdin = ch.stdin.as_mut().expect("stdin");
+        stdin
+            .write_all(b"GO\n")
+            .and_then(|_| stdin.flush())
+            .expect("start child");
+    }
     let mut total = 0u64;
     let (mut first, mut last) = (i64::MAX, i64::MIN);
-    for ch in children {
-        let out = ch.wait_with_output().expect("child");
-        let text = String::from_utf8_lossy(&out.stdout);
+    for (mut ch, mut out) in children {
+        let mut text = String::new();
+        out.read_to_string(&mut text).expect("child output");
+        assert!(ch.wait().expect("child").success(), "child: {text}");
         let line = text
             .lines()
             .find(|l| l.starts_with("GRANTED="))
@@ -644,9 +685,10 @@ async fn run_spawned(url: &str, args: &Args, run: &str, mode: Mode) {
         .duration_since(start)
         .expect("clock forward")
         .as_secs_f64();
-    // The window: from the first child's first call to the last child's last (every grant
-    // is inside it); the whole run also includes the processes' start-up.
-    let w = (last - first) as f64 / 1e6;
+    // The window: from the row's creation to the last child's last call (every grant is
+    // inside it); the whole run also includes the processes' start-up.
+    assert!(first >= created, "calls after the row's creation");
+    let w = (last - created) as f64 / 1e6;
     assert!(w <= whole + 0.001, "window inside the run");
     let (rate, burst, slack) = match mode {
         Mode::Strict => (
@@ -709,6 +751,17 @@ async fn run_child(url: &str, args: &Args, key: &str) {
                 .expect("connect"),
         )
     };
+    // Connected: wait for the parent's start signal (it creates the key's row first).
+    {
+        use std::io::{BufRead, Write};
+        println!("READY");
+        std::io::stdout().flush().expect("stdout");
+        let mut go = String::new();
+        std::io::stdin()
+            .lock()
+            .read_line(&mut go)
+            .expect("start signal");
+    }
     let started = server_micros(&clock).await;
     let end = Instant::now() + Duration::from_secs_f64(args.seconds);
     let mut total = 0u64;
@@ -748,7 +801,15 @@ async fn run_child(url: &str, args: &Args, key: &str) {
         for t in tasks {
             total += t.await.expect("worker");
         }
-        let _ = l.shutdown().await;
+        let ended = server_micros(&clock).await;
+        let s = l.stats();
+        let returned = l.shutdown().await.unwrap_or(0);
+        println!(
+            "GRANTED={total} START={started} END={ended} RETURNED={returned} LEASES={} \
+             SHORT={} LARGEST={}",
+            s.leases, s.short_leases, s.largest_lease
+        );
+        return;
     }
     let ended = server_micros(&clock).await;
     println!("GRANTED={total} START={started} END={ended}");
