@@ -703,6 +703,11 @@ async fn run_spawned(url: &str, args: &Args, run: &str, mode: Mode) {
         ),
     };
     let ideal = rate * w + burst;
+    eprintln!(
+        "first call {:.1} ms after the row's creation; returned at shutdown: the RETURNED \
+         fields above",
+        (first - created) as f64 / 1e3
+    );
     println!(
         "{mode:?}, {} processes on one key for {w:.2} s: granted {total}, rate x W + burst = \
          {ideal:.0} ({:+.2}%), bound with K x max_lease = {:.0}: {}",

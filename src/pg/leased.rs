@@ -4,16 +4,22 @@
 //! its only source of tokens is leases, batches taken from the key's Postgres row by the
 //! strict-mode statement in its "take up to N" form. A call takes its tokens from the local
 //! count (one compare-and-swap when uncontended, no round trip); the database sees one
-//! statement per lease.
+//! statement per batch of leases.
 //!
+//! - **One statement for many keys**: the leases of all keys of one session that are waiting
+//!   go out as one statement (the strict upsert over `unnest` arrays, rows locked in key
+//!   order): one commit and one WAL flush per batch instead of per lease.
+//! - **Leases are never cancelled**: a lease runs on a task of its own, under the key's lease
+//!   mutex; a caller dropped mid-lease leaves it to land in the key.
 //! - **Refill before running dry**: when a grant leaves fewer than half a lease locally, a
 //!   background task leases the next batch while calls keep being served.
-//! - **Leases follow consumption**: a lease covers `lease_period` of the key's local
-//!   consumption rate (measured between leases), between `min_lease` and `max_lease`.
+//! - **Leases follow consumption**: a lease covers the key's local consumption rate (measured
+//!   while the key had tokens) for `lease_period`, or for twice the lease's round trip when
+//!   longer, between `min_lease` and `max_lease`.
 //! - **Trickle, not lump**: when the global bucket cannot fill a lease (it is empty), the key
-//!   asks again at most every `trickle_interval`, and each time gets what has accrued since:
-//!   grants arrive spread over time at the global rate, and calls in between are refused
-//!   locally without a round trip.
+//!   asks again at most every `trickle_interval`, and each time gets what has accrued since
+//!   (at most `rate × max(trickle_interval, round trip)`): grants arrive spread over time at
+//!   the global rate, and calls in between are refused locally without a round trip.
 //! - **Unused tokens go back** on [`shutdown`](PgLeasedLimiter::shutdown) and when a key is
 //!   evicted. An evicted key is closed and emptied while it leaves the key map, before any
 //!   call can re-create it, so its old state (still reachable through a [`LeasedKey`]) grants
@@ -894,6 +900,14 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> Inner<C> {
             .await
     }
 
+    /// How long a key whose lease came back short waits before asking again: the trickle
+    /// interval, or a quarter of `burst / rate` if sooner (waiting longer would let the
+    /// global bucket overflow its burst and discard refill).
+    fn trickle_every(&self) -> Duration {
+        let burst_time = Duration::from_secs_f64(self.opts.burst as f64 / self.opts.rate as f64);
+        self.opts.trickle_interval.min(burst_time / 4)
+    }
+
     fn at(&self) -> Option<SystemTime> {
         match self.db_time {
             DbTime::Server => None,
@@ -1041,6 +1055,17 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> Inner<C> {
             // leased to), so grow geometrically, like a slow start.
             want = want.max(ctl.last_ask.saturating_mul(2));
         }
+        if ctl.not_before.is_some() {
+            // The last lease was short: the global bucket is the limit (other processes, or
+            // demand above the rate). Ask for at most one asking interval of the global
+            // rate: after a stall the row holds a lump, and a process that took it all would
+            // hold what the others are waiting for (and give it back unspent at shutdown); a
+            // remainder left in the row makes the next lease full, and full leases follow
+            // each other without waiting.
+            let every = self.trickle_every().max(ctl.latency_est);
+            let share = (self.opts.rate as f64 * every.as_secs_f64()).ceil() as u64;
+            want = want.min(share.max(self.opts.min_lease).max(at_least));
+        }
         let ask = want.min(self.opts.max_lease).min(room);
         if ask == 0 {
             return Ok(0);
@@ -1082,9 +1107,7 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> Inner<C> {
             // Ask again when about a quarter of the burst has accrued, or after the trickle
             // interval if sooner: waiting longer would let the global bucket overflow its
             // burst and discard refill (the rate would not be held).
-            let burst_time =
-                Duration::from_secs_f64(self.opts.burst as f64 / self.opts.rate as f64);
-            let until = now + self.opts.trickle_interval.min(burst_time / 4);
+            let until = now + self.trickle_every();
             ctl.not_before = Some(until);
             // Relaxed: a hint for refusing without the mutex; the mutex-held copy decides.
             ks.trickle_until
@@ -1165,6 +1188,20 @@ mod tests {
         if let Some(mut hook) = AFTER_FAILED_TAKE.with(|h| h.borrow_mut().take()) {
             hook(ks);
         }
+    }
+
+    /// The batch statement is the single-key upsert over `unnest`, with the wanted count in
+    /// the update arm read through `excluded.granted` (the update arm cannot see `r`).
+    #[test]
+    fn batch_statement_has_the_upserts_shape() {
+        let sql = batch_take_sql().expect("shape");
+        assert!(sql.contains("FROM unnest($1::text[], $2::bigint[], $3::timestamptz[])"));
+        assert!(sql.contains("ORDER BY r.id\nON CONFLICT (id) DO UPDATE"));
+        assert!(sql.ends_with("RETURNING b.micro, b.granted, b.ts, b.id"));
+        let (insert, update) = sql.split_once("ON CONFLICT").unwrap();
+        assert!(insert.contains("r.n") && !insert.contains("excluded."));
+        assert!(update.contains("excluded.granted") && !update.contains("r.n"));
+        assert!(!sql.contains('\u{1}'), "a placeholder was left");
     }
 
     /// Defect: "a failing fast-path `try_take` in leased mode makes a later refund vanish".
