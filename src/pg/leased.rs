@@ -817,6 +817,9 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> Inner<C> {
     /// pending key once (a key's second lease, from an evicted state, waits for the next).
     async fn run_batches(self: Arc<Self>, b: Arc<Batcher>) {
         loop {
+            // Let the leases that are ready to ask (a wave of keys running dry together)
+            // join this batch rather than wait a whole statement for the next one.
+            tokio::task::yield_now().await;
             let mut batch = {
                 let mut q = b.q.lock().expect("lease batch");
                 if q.pending.is_empty() {
