@@ -17,10 +17,14 @@
 //! Other measurements (issue 11), each one run:
 //!
 //! ```text
-//! # N separate OS processes on one key: total granted vs rate x W + burst (strict, leased)
-//! pg_load --url … --spawn 4 --mode all --workers 2 --seconds 5 --refill 500 --window 1
-//! # K hot keys in one leased process: each key's refill rate vs the global rate
-//! pg_load --url … --keys 64 --workers 8 --seconds 10 --leased-rate 2000 --leased-burst 2000 --max-lease 400
+//! # N separate OS processes on one key: total granted vs rate x W + burst (strict, leased);
+//! # W runs from the key's row creation (when every child is ready) to the last call
+//! pg_load --url … --spawn 4 --mode all --workers 2 --seconds 5 --connections 1 --refill 100 \
+//!     --window 1 --leased-burst 100000 --max-lease 20000 --lease-period-ms 100
+//! # K hot keys in one leased process: each key's grants vs rate x W + burst (rows created
+//! # full at the start; mean and worst key; where the missing tokens are)
+//! pg_load --url … --keys 64 --workers 8 --seconds 8 --connections 16 --leased-rate 2000 \
+//!     --leased-burst 2000 --max-lease 400
 //! # bytes of leased state per key held (max_keys bounds the total)
 //! pg_load --url … --memory-keys 20000 --max-keys 10000 --async-commit
 //! ```

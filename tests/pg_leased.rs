@@ -940,3 +940,40 @@ async fn kill_9_of_a_process_holding_leases() {
         assert!(g as u128 <= bound, "key h{k}: {g} > {bound}");
     }
 }
+
+/// A runtime shut down while a lease's batch is under way drops the task that runs the
+/// session's batches. The session must not stay marked as having one running (its next
+/// lease would wait forever): used from a new runtime, the limiter reconnects and leases.
+#[test]
+fn runtime_shut_down_mid_lease_leaves_no_batch_stuck() {
+    let Some(pg) = cluster_or_skip("runtime_shut_down_mid_lease_leaves_no_batch_stuck") else {
+        return;
+    };
+    let runtime = || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    };
+    let clock = ManualClock::new();
+    let opts = LeaseOptions::new(10, 100, 10).unwrap().with_min_lease(10);
+    let first = runtime();
+    let l = first.block_on(async {
+        let l = leased(&pg, opts, &clock).await;
+        assert!(l.try_acquire("warm", 1).await.unwrap());
+        {
+            let mut call = std::pin::pin!(l.try_acquire("k", 1));
+            assert!(poll_once(call.as_mut()).await.is_none());
+            lease_asked(&l, 2).await; // queued in its session's batch
+        }
+        l
+    });
+    drop(first);
+    runtime().block_on(async {
+        let next = tokio::time::timeout(Duration::from_secs(30), l.try_acquire("k", 1)).await;
+        assert!(
+            matches!(next, Ok(Ok(true))),
+            "the next lease failed or hung: {next:?}"
+        );
+    });
+}

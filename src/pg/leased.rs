@@ -816,6 +816,22 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> Inner<C> {
     /// Runs one session's batch statements while leases are waiting: each takes every
     /// pending key once (a key's second lease, from an evicted state, waits for the next).
     async fn run_batches(self: Arc<Self>, b: Arc<Batcher>) {
+        /// If this task ends early (a panic, or its runtime shutting down), lets the next
+        /// lease start a new one, and fails the leases queued meanwhile (their senders are
+        /// dropped) instead of leaving them waiting forever.
+        struct Stopped(Arc<Batcher>, bool);
+        impl Drop for Stopped {
+            fn drop(&mut self) {
+                if self.1 {
+                    return; // ended normally, with `running` reset under the queue's lock
+                }
+                if let Ok(mut q) = self.0.q.lock() {
+                    q.running = false;
+                    q.pending.clear();
+                }
+            }
+        }
+        let mut stopped = Stopped(b.clone(), false);
         loop {
             // Let the leases that are ready to ask (a wave of keys running dry together)
             // join this batch rather than wait a whole statement for the next one.
@@ -824,6 +840,7 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> Inner<C> {
                 let mut q = b.q.lock().expect("lease batch");
                 if q.pending.is_empty() {
                     q.running = false;
+                    stopped.1 = true;
                     return;
                 }
                 let mut seen = HashSet::new();
