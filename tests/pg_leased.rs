@@ -977,3 +977,43 @@ fn runtime_shut_down_mid_lease_leaves_no_batch_stuck() {
         );
     });
 }
+
+/// A runtime shut down while a key's background refill is under way must not leave the key's
+/// refill flag held: used from a new runtime, a take that leaves the key low starts a
+/// background lease again (before, the flag stayed claimed by the dropped task and the key
+/// only ever leased from its callers' slow path, after running dry).
+#[test]
+fn runtime_shut_down_mid_refill_leaves_the_refill_flag_free() {
+    let Some(pg) = cluster_or_skip("runtime_shut_down_mid_refill_leaves_the_refill_flag_free")
+    else {
+        return;
+    };
+    let runtime = || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    };
+    let clock = ManualClock::new();
+    // Leases of 10; the low-water line is half a lease.
+    let opts = LeaseOptions::new(10, 100, 10).unwrap().with_min_lease(10);
+    let first = runtime();
+    let l = first.block_on(async {
+        let l = leased(&pg, opts, &clock).await;
+        assert!(l.try_acquire("k", 1).await.unwrap()); // leased 10 (slow path), 9 left
+        assert!(l.try_acquire("k", 5).await.unwrap()); // fast path: 4 left, low
+        lease_asked(&l, 2).await; // the background refill's lease is under way
+        l
+    });
+    drop(first);
+    runtime().block_on(async {
+        let before = l.stats().leases;
+        assert_eq!(l.local_tokens("k"), 4);
+        assert!(l.try_acquire("k", 1).await.unwrap()); // fast path, 3 left: still low
+        until("a background refill leases again", || {
+            l.stats().leases > before
+        })
+        .await;
+        until("its tokens land", || l.local_tokens("k") > 3).await;
+    });
+}

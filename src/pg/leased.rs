@@ -1154,7 +1154,18 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> Inner<C> {
             return;
         }
         let (me, ks, key) = (self.clone(), ks.clone(), key.to_owned());
+        /// Lets go of the flag if the refill task ends while holding it (its runtime shut
+        /// down): otherwise no take could ever start a background refill of the key again.
+        struct Holding(Arc<KeyState>, bool);
+        impl Drop for Holding {
+            fn drop(&mut self) {
+                if self.1 {
+                    self.0.refilling.release(|| false);
+                }
+            }
+        }
         rt.spawn(async move {
+            let mut holding = Holding(ks.clone(), true);
             loop {
                 let mut ctl = ks.ctl.lock().await;
                 let mut got = 0;
@@ -1169,9 +1180,11 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> Inner<C> {
                 drop(ctl);
                 // A refill that got nothing (trickling, an error, closed) stops: the next take
                 // that finds the key low claims the flag again.
+                holding.1 = false;
                 if !ks.refilling.release(|| got > 0 && ks.low()) {
                     break;
                 }
+                holding.1 = true; // claimed again by the re-check
             }
         });
     }
