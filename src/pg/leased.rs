@@ -778,8 +778,13 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> Inner<C> {
         ask: u64,
         at: Option<SystemTime>,
     ) -> Result<Grant, PgLimitError> {
-        let conn: &Conn = self.db.pool().for_key(key);
-        let id = conn as *const Conn as usize;
+        // The batcher of the session the pool gives this key now (the address identifies it;
+        // the pool lives as long as `db`). Any session can run any key's lease: this only
+        // groups the leases that go out together.
+        let id = {
+            let conn = self.db.pool().for_key(key);
+            &*conn as *const Conn as usize
+        };
         let b = {
             let mut all = self.batchers.lock().expect("batchers");
             match all.iter().find(|(c, _)| *c == id) {
