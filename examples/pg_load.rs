@@ -17,10 +17,14 @@
 //! Other measurements (issue 11), each one run:
 //!
 //! ```text
-//! # N separate OS processes on one key: total granted vs rate x W + burst (strict, leased)
-//! pg_load --url … --spawn 4 --mode all --workers 2 --seconds 5 --refill 500 --window 1
-//! # K hot keys in one leased process: each key's refill rate vs the global rate
-//! pg_load --url … --keys 64 --workers 8 --seconds 10 --leased-rate 2000 --leased-burst 2000 --max-lease 400
+//! # N separate OS processes on one key: total granted vs rate x W + burst (strict, leased);
+//! # W runs from the key's row creation (when every child is ready) to the last call
+//! pg_load --url … --spawn 4 --mode all --workers 2 --seconds 5 --connections 1 --refill 100 \
+//!     --window 1 --leased-burst 100000 --max-lease 20000 --lease-period-ms 100
+//! # K hot keys in one leased process: each key's grants vs rate x W + burst (rows created
+//! # full at the start; mean and worst key; where the missing tokens are)
+//! pg_load --url … --keys 64 --workers 8 --seconds 8 --connections 16 --leased-rate 2000 \
+//!     --leased-burst 2000 --max-lease 400
 //! # bytes of leased state per key held (max_keys bounds the total)
 //! pg_load --url … --memory-keys 20000 --max-keys 10000 --async-commit
 //! ```
@@ -414,6 +418,12 @@ async fn run_hot_keys(url: &str, args: &Args, run: &str) {
             .expect("connect"),
     );
     l.install().await.expect("install");
+    // Open every session and prepare its statements first (a deployed service has them
+    // open): the run measures leasing, not connecting.
+    for i in 0..args.connections * 8 {
+        let _ = l.try_acquire_one(&format!("{run}-warm-{i}")).await;
+    }
+    let _ = l.shutdown().await;
     let n = args.keys;
     // One task per key (at least `--workers`): a call that finds its key dry waits for the
     // lease, and must not hold up the other keys' calls.
@@ -424,7 +434,21 @@ async fn run_hot_keys(url: &str, args: &Args, run: &str) {
         let key = l.key(&format!("{run}-hot-{k}")).await.expect("key");
         per_worker[k % tasks_n].push((k, key));
     }
+    // Every key's row exists, full, from `start` on (as its first lease would create it), so
+    // `rate x W + burst` from `start` is exactly what each row makes available.
+    let c = connect(url, args).await;
+    let names: Vec<String> = (0..n).map(|k| format!("{run}-hot-{k}")).collect();
     let start = Instant::now();
+    c.execute(
+        &format!(
+            "INSERT INTO {}.token_bucket (id, micro, ts, granted) \
+             SELECT unnest($1::text[]), $2::bigint * 1000000, clock_timestamp(), 0",
+            args.schema
+        ),
+        &[&names, &args.leased_burst],
+    )
+    .await
+    .expect("create the rows");
     let end = start + Duration::from_secs_f64(args.seconds);
     let mut tasks = Vec::new();
     for mut keys in per_worker.into_iter().filter(|k| !k.is_empty()) {
@@ -432,11 +456,16 @@ async fn run_hot_keys(url: &str, args: &Args, run: &str) {
             let mut granted = Vec::new();
             let mut calls = 0u64;
             let mut got = vec![0u64; keys.len()];
+            let first = vec![start; keys.len()];
+            let mut first_grant = vec![Duration::ZERO; keys.len()];
             loop {
                 for (i, (_, key)) in keys.iter_mut().enumerate() {
                     for _ in 0..16 {
                         calls += 1;
                         if let Ok(true) = key.try_acquire(1).await {
+                            if got[i] == 0 {
+                                first_grant[i] = start.elapsed();
+                            }
                             got[i] += 1;
                         }
                     }
@@ -446,44 +475,110 @@ async fn run_hot_keys(url: &str, args: &Args, run: &str) {
                     break;
                 }
             }
+            // The last call's end: every grant of this task is before it.
+            let last = Instant::now();
             for (i, (k, _)) in keys.iter().enumerate() {
-                granted.push((*k, got[i]));
+                granted.push((*k, got[i], first[i]));
             }
-            (granted, calls)
+            (granted, calls, last, first_grant)
         }));
     }
     let mut granted = vec![0u64; n];
+    let mut firsts = vec![start; n];
     let mut calls = 0;
+    let mut last = start;
+    let mut first_grants = Vec::new();
     for t in tasks {
-        let (g, c) = t.await.expect("worker");
+        let (g, c, t_last, fg) = t.await.expect("worker");
+        first_grants.extend(fg);
         calls += c;
-        for (k, v) in g {
+        last = last.max(t_last);
+        for (k, v, f) in g {
             granted[k] = v;
+            firsts[k] = f;
         }
     }
-    let secs = start.elapsed().as_secs_f64();
+    // The window: from before the first call (before any key's row exists) to the end of the
+    // last call, so `rate x W + burst` is at least what each key's row made available.
+    let secs = last.duration_since(start).as_secs_f64();
+    // Where the missing tokens are: held locally (given back at shutdown) and left in the
+    // rows (refill not leased yet), per key on average.
+    let held: u64 = (0..n)
+        .map(|k| l.local_tokens(&format!("{run}-hot-{k}")))
+        .sum();
+    let left: f64 = c
+        .query_one(
+            &format!(
+                "SELECT coalesce(sum(least($1::bigint * 1000000, micro + $2::bigint * \
+                 (extract(epoch FROM clock_timestamp() - ts) * 1000000)::bigint)), 0)::float8 \
+                 / 1000000 FROM {}.token_bucket WHERE id LIKE $3",
+                args.schema
+            ),
+            &[
+                &args.leased_burst,
+                &args.leased_rate,
+                &format!("{run}-hot-%"),
+            ],
+        )
+        .await
+        .expect("rows")
+        .get(0);
+    println!(
+        "per key: first grant after {:.1} ms (mean), {:.1} ms (last key); at the end {:.1} \
+         tokens held locally, {:.1} left in the row (read after the run)",
+        first_grants.iter().map(|d| d.as_secs_f64()).sum::<f64>() * 1e3 / n as f64,
+        first_grants
+            .iter()
+            .max()
+            .map_or(0.0, |d| d.as_secs_f64() * 1e3),
+        held as f64 / n as f64,
+        left / n as f64
+    );
+    let ls = l.stats();
     let _ = l.shutdown().await;
     let db = l.db_stats();
+    println!(
+        "leases {} in {} statements ({:.1} per statement), {} short, largest {}",
+        ls.leases,
+        ls.lease_statements,
+        ls.leases as f64 / ls.lease_statements.max(1) as f64,
+        ls.short_leases,
+        ls.largest_lease
+    );
+    // Each key: granted against `rate x W + burst`, W from just before its row was created to
+    // the end of the last call: what its row can have made available.
+    let allowed: Vec<f64> = firsts
+        .iter()
+        .map(|f| {
+            args.leased_rate as f64 * last.duration_since(*f).as_secs_f64()
+                + args.leased_burst as f64
+        })
+        .collect();
     let errs: Vec<f64> = granted
         .iter()
-        .map(|&g| (g as f64 - args.leased_burst as f64) / secs / args.leased_rate as f64 - 1.0)
+        .zip(&allowed)
+        .map(|(&g, &a)| g as f64 / a - 1.0)
         .collect();
     let mean = errs.iter().sum::<f64>() / n as f64;
     let lo = errs.iter().cloned().fold(f64::INFINITY, f64::min);
     let hi = errs.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
     println!(
-        "hot keys: {n} keys in one process, {} connections, synchronous_commit={}, {:.1} s: \
-         {:.0} calls/s, {:.0} statements/s; per-key refill vs rate {}/s: mean {:+.2}%, \
-         lowest {:+.2}%, highest {:+.2}%",
+        "hot keys: {n} keys in one process, {} connections, synchronous_commit={}, {:.2} s: \
+         {:.0} calls/s, {:.0} statements/s; granted {} of rate x W + burst = {:.0} \
+         (rate {}/s, burst {}); per key: mean {:+.2}%, lowest {:+.2}%, highest {:+.2}% ({})",
         args.connections,
         if args.async_commit { "off" } else { "on" },
         secs,
         calls as f64 / secs,
         (db.calls + db.retries) as f64 / secs,
+        granted.iter().sum::<u64>(),
+        allowed.iter().sum::<f64>(),
         args.leased_rate,
+        args.leased_burst,
         100.0 * mean,
         100.0 * lo,
-        100.0 * hi
+        100.0 * hi,
+        if hi > 0.0 { "ABOVE" } else { "never above" }
     );
 }
 
@@ -813,20 +908,62 @@ async fn run_spawned(url: &str, args: &Args, run: &str, mode: Mode) {
                     },
                 ])
                 .args(["--child-key", &key])
+                .stdin(std::process::Stdio::piped())
                 .stdout(std::process::Stdio::piped())
                 .spawn()
                 .expect("spawn")
         })
         .collect();
+    // Every child connected and waiting: create the key's row, full (as its first call
+    // would), then start them all. The window starts at the row's creation on the server's
+    // clock, so `rate x W + burst` is exactly what the row makes available.
+    use std::io::{BufRead, Read, Write};
+    let mut children: Vec<_> = children
+        .into_iter()
+        .map(|mut ch| {
+            let mut out = std::io::BufReader::new(ch.stdout.take().expect("stdout"));
+            let mut line = String::new();
+            out.read_line(&mut line).expect("child ready");
+            assert_eq!(line.trim(), "READY", "child: {line}");
+            (ch, out)
+        })
+        .collect();
+    let (rate_i, burst_i) = match mode {
+        Mode::Strict => (args.refill as i64, args.refill as i64 * args.window as i64),
+        _ => (args.leased_rate, args.leased_burst),
+    };
+    let _ = rate_i;
+    let created: i64 = c
+        .query_one(
+            &format!(
+                "INSERT INTO {}.token_bucket (id, micro, ts, granted) \
+                 VALUES ($1, $2::bigint * 1000000, clock_timestamp(), 0) \
+                 RETURNING (extract(epoch FROM ts) * 1000000)::bigint",
+                args.schema
+            ),
+            &[&key, &burst_i],
+        )
+        .await
+        .expect("create the row")
+        .get(0);
+    for (ch, _) in children.iter_mut() {
+        let stdin = ch.stdin.as_mut().expect("stdin");
+        stdin
+            .write_all(b"GO\n")
+            .and_then(|_| stdin.flush())
+            .expect("start child");
+    }
     let mut total = 0u64;
     let (mut first, mut last) = (i64::MAX, i64::MIN);
-    for ch in children {
-        let out = ch.wait_with_output().expect("child");
-        let text = String::from_utf8_lossy(&out.stdout);
+    for (mut ch, mut out) in children {
+        let mut text = String::new();
+        out.read_to_string(&mut text).expect("child output");
+        assert!(ch.wait().expect("child").success(), "child: {text}");
         let line = text
             .lines()
             .find(|l| l.starts_with("GRANTED="))
             .unwrap_or_else(|| panic!("child output: {text}"));
+        eprintln!("child: {line}");
         let field = |name: &str| -> i64 {
             line.split(' ')
                 .find_map(|f| f.strip_prefix(name))
@@ -843,9 +980,10 @@ async fn run_spawned(url: &str, args: &Args, run: &str, mode: Mode) {
         .duration_since(start)
         .expect("clock forward")
         .as_secs_f64();
-    // The window: from the first child's first call to the last child's last (every grant
-    // is inside it); the whole run also includes the processes' start-up.
-    let w = (last - first) as f64 / 1e6;
+    // The window: from the row's creation to the last child's last call (every grant is
+    // inside it); the whole run also includes the processes' start-up.
+    assert!(first >= created, "calls after the row's creation");
+    let w = (last - created) as f64 / 1e6;
     assert!(w <= whole + 0.001, "window inside the run");
     let (rate, burst, slack) = match mode {
         Mode::Strict => (
@@ -860,6 +998,11 @@ async fn run_spawned(url: &str, args: &Args, run: &str, mode: Mode) {
         ),
     };
     let ideal = rate * w + burst;
+    eprintln!(
+        "first call {:.1} ms after the row's creation; returned at shutdown: the RETURNED \
+         fields above",
+        (first - created) as f64 / 1e3
+    );
     println!(
         "{mode:?}, {} processes on one key for {w:.2} s: granted {total}, rate x W + burst = \
          {ideal:.0} ({:+.2}%), bound with K x max_lease = {:.0}: {}",
@@ -908,6 +1051,17 @@ async fn run_child(url: &str, args: &Args, key: &str) {
                 .expect("connect"),
         )
     };
+    // Connected: wait for the parent's start signal (it creates the key's row first).
+    {
+        use std::io::{BufRead, Write};
+        println!("READY");
+        std::io::stdout().flush().expect("stdout");
+        let mut go = String::new();
+        std::io::stdin()
+            .lock()
+            .read_line(&mut go)
+            .expect("start signal");
+    }
     let started = server_micros(&clock).await;
     let end = Instant::now() + Duration::from_secs_f64(args.seconds);
     let mut total = 0u64;
@@ -947,7 +1101,15 @@ async fn run_child(url: &str, args: &Args, key: &str) {
         for t in tasks {
             total += t.await.expect("worker");
         }
-        let _ = l.shutdown().await;
+        let ended = server_micros(&clock).await;
+        let s = l.stats();
+        let returned = l.shutdown().await.unwrap_or(0);
+        println!(
+            "GRANTED={total} START={started} END={ended} RETURNED={returned} LEASES={} \
+             SHORT={} LARGEST={}",
+            s.leases, s.short_leases, s.largest_lease
+        );
+        return;
     }
     let ended = server_micros(&clock).await;
     println!("GRANTED={total} START={started} END={ended}");

@@ -159,11 +159,16 @@ async fn postgres_restart_while_leases_are_out() {
     for _ in 0..49 {
         assert!(l.try_acquire("k", 1).await.unwrap());
     }
-    // Dry: leasing needs the server.
-    assert!(matches!(
-        l.try_acquire("k", 1).await,
-        Err(PgLimitError::Connection { .. })
-    ));
+    // Dry: leasing needs the server. The session is found lost (`Connection`), or a
+    // background lease found it lost first and reconnecting now backs off (`Unavailable`).
+    let dry = l.try_acquire("k", 1).await;
+    assert!(
+        matches!(
+            dry,
+            Err(PgLimitError::Connection { .. } | PgLimitError::Unavailable { .. })
+        ),
+        "{dry:?}"
+    );
     pg.start_again().unwrap();
     clock.advance(ms(1_000));
     // Reconnected: leasing works again (a background refill may already have leased).
@@ -498,6 +503,14 @@ async fn bound_holds_across_spawned_processes() {
     assert!(total >= opts.burst() as u64);
 }
 
+/// Lets the runtime run until `leases` leases have been asked for: a lease runs on a task of
+/// its own, so a caller polled once has only spawned it.
+async fn lease_asked(l: &PgLeasedLimiter<ManualClock>, leases: u64) {
+    while l.stats().leases < leases {
+        tokio::task::yield_now().await;
+    }
+}
+
 /// Polls `fut` once: `Some` if it finished.
 async fn poll_once<F: std::future::Future>(mut fut: std::pin::Pin<&mut F>) -> Option<F::Output> {
     std::future::poll_fn(|cx| {
@@ -532,6 +545,7 @@ async fn leased_eviction_never_holds_more_than_max_lease() {
         // The handle runs dry: its slow path leases for "a" and waits for the server.
         let mut on_a = std::pin::pin!(a.try_acquire(1));
         assert!(poll_once(on_a.as_mut()).await.is_none());
+        lease_asked(&l, 2).await;
         // "b" evicts "a" while that lease is in flight.
         assert!(poll_once(on_b.as_mut()).await.is_none());
         // "a" again, through the map: a new state, which leases.
@@ -577,6 +591,7 @@ async fn lease_landing_after_shutdown_gives_its_tokens_back() {
     {
         let mut on_a = std::pin::pin!(a.try_acquire(1));
         assert!(poll_once(on_a.as_mut()).await.is_none()); // its lease is in flight
+        lease_asked(&l, 2).await;
         assert_eq!(l.shutdown().await.unwrap(), 0); // nothing held yet
         assert!(on_a.await.unwrap());
     }
@@ -585,4 +600,420 @@ async fn lease_landing_after_shutdown_gives_its_tokens_back() {
     let s = l.stats();
     assert_eq!((s.leased, s.returned), (300, 199));
     assert_eq!(global_micro(&pg, "a").await, (300 - 101) * 1_000_000);
+}
+
+/// Defect: "every lease is its own statement and commit": with many hot keys a process ran
+/// one statement (one WAL flush) per lease, and 1,000 hot keys got two thirds of their rate.
+/// The leases of all keys waiting for a session now go out as one statement. On a
+/// current-thread runtime the 64 first calls all queue their leases before the first batch
+/// runs; each row gives exactly its lease.
+#[tokio::test]
+async fn leases_of_many_keys_share_one_statement() {
+    let Some(pg) = cluster_or_skip("leases_of_many_keys_share_one_statement") else {
+        return;
+    };
+    let clock = ManualClock::new();
+    let opts = LeaseOptions::new(10, 100, 50).unwrap().with_min_lease(50);
+    let l = std::sync::Arc::new(
+        PgLeasedLimiter::with_clock(
+            &pg.connection_string(),
+            PgOptions::new().with_connections(1),
+            opts,
+            clock.clone(),
+            DbTime::Clock { origin: t0() },
+        )
+        .await
+        .unwrap(),
+    );
+    l.install().await.unwrap();
+    assert!(l.try_acquire("warm", 1).await.unwrap());
+    let before = l.db_stats().calls;
+    let calls: Vec<_> = (0..64)
+        .map(|k| {
+            let l = l.clone();
+            tokio::spawn(async move { l.try_acquire(&format!("k{k}"), 1).await.unwrap() })
+        })
+        .collect();
+    for c in calls {
+        assert!(c.await.unwrap());
+    }
+    let statements = l.db_stats().calls - before;
+    assert!(statements <= 2, "{statements} statements for 64 leases");
+    let s = l.stats();
+    assert_eq!(s.leases, 65);
+    for k in 0..64 {
+        let key = format!("k{k}");
+        assert_eq!(l.local_tokens(&key), 49, "{key}");
+        assert_eq!(global_micro(&pg, &key).await, 50_000_000, "{key}");
+    }
+}
+
+/// Defect: "a cancelled acquire loses the tokens of its lease in flight": the lease ran in
+/// the caller's future, so a caller dropped while its statement was at the server left the
+/// tokens taken from the row and never deposited (and the next call leased again). Leases
+/// now run on a task of their own and always land.
+#[tokio::test]
+async fn cancelled_acquire_mid_lease_loses_no_tokens() {
+    let Some(pg) = cluster_or_skip("cancelled_acquire_mid_lease_loses_no_tokens") else {
+        return;
+    };
+    let clock = ManualClock::new();
+    let opts = LeaseOptions::new(1, 300, 100).unwrap().with_min_lease(100);
+    let l = leased(&pg, opts, &clock).await;
+    // Sessions open, statements prepared.
+    assert!(l.try_acquire("warm", 1).await.unwrap());
+    {
+        let mut call = std::pin::pin!(l.try_acquire("k", 1));
+        assert!(poll_once(call.as_mut()).await.is_none());
+        lease_asked(&l, 2).await; // the lease for "k" is under way
+    } // the caller gives up
+      // The next call is served by that lease: no second lease, nothing lost.
+    assert!(l.try_acquire("k", 1).await.unwrap());
+    let s = l.stats();
+    assert_eq!(s.leases, 2, "{s:?}");
+    assert_eq!(l.local_tokens("k"), 99);
+    assert_eq!(global_micro(&pg, "k").await, 200_000_000);
+}
+
+/// Reads the server's clock.
+async fn server_now(pg: &PgCluster) -> SystemTime {
+    let (c, conn) = tokio_postgres::connect(&pg.connection_string(), tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    c.query_one("SELECT clock_timestamp()", &[])
+        .await
+        .unwrap()
+        .get(0)
+}
+
+const HOSTILE_KEYS: usize = 32;
+
+fn hostile_options() -> LeaseOptions {
+    LeaseOptions::new(1_000, 100, 20)
+        .unwrap()
+        .with_trickle_interval(ms(5))
+}
+
+/// Calls on `HOSTILE_KEYS` keys from 8 tasks until `stop`; per key the grants, and the
+/// errors seen (each must be a typed connection or server error).
+fn hammer(
+    l: std::sync::Arc<PgLeasedLimiter>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    granted: std::sync::Arc<Vec<std::sync::atomic::AtomicU64>>,
+    errors: std::sync::Arc<std::sync::atomic::AtomicU64>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    use std::sync::atomic::Ordering::Relaxed;
+    (0..8)
+        .map(|t| {
+            let (l, stop, granted, errors) =
+                (l.clone(), stop.clone(), granted.clone(), errors.clone());
+            tokio::spawn(async move {
+                while !stop.load(Relaxed) {
+                    for k in (t..HOSTILE_KEYS).step_by(8) {
+                        match l.try_acquire(&format!("h{k}"), 1).await {
+                            Ok(true) => {
+                                granted[k].fetch_add(1, Relaxed);
+                            }
+                            Ok(false) => {}
+                            Err(
+                                PgLimitError::Connection { .. }
+                                | PgLimitError::Unavailable { .. }
+                                | PgLimitError::Db { .. },
+                            ) => {
+                                errors.fetch_add(1, Relaxed);
+                            }
+                            Err(e) => panic!("untyped failure: {e:?}"),
+                        }
+                    }
+                    tokio::task::yield_now().await;
+                }
+            })
+        })
+        .collect()
+}
+
+/// Waits (yielding, with a generous guard against a hang) until `cond` holds.
+async fn until(what: &str, mut cond: impl FnMut() -> bool) {
+    let guard = std::time::Instant::now() + Duration::from_secs(60);
+    while !cond() {
+        assert!(
+            std::time::Instant::now() < guard,
+            "hung waiting for: {what}"
+        );
+        tokio::time::sleep(ms(5)).await;
+    }
+}
+
+fn counts(v: &[std::sync::atomic::AtomicU64]) -> Vec<u64> {
+    v.iter()
+        .map(|a| a.load(std::sync::atomic::Ordering::Relaxed))
+        .collect()
+}
+
+/// Server stopped (fast shutdown) while batches of leases are in flight on 32 hot keys, then
+/// started again: every failing call fails with a typed error, none hangs, leasing resumes
+/// on every key after the restart, and no key is granted more than
+/// `rate × W + burst + max_lease` (one process) over the whole run on the server's clock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_stopped_under_batched_load() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+    use std::sync::Arc;
+    let Some(pg) = cluster_or_skip("server_stopped_under_batched_load") else {
+        return;
+    };
+    let start = server_now(&pg).await;
+    let opts = hostile_options();
+    let l = Arc::new(
+        PgLeasedLimiter::connect(
+            &pg.connection_string(),
+            PgOptions::new().with_connections(2),
+            opts,
+        )
+        .await
+        .unwrap(),
+    );
+    l.install().await.unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let granted: Arc<Vec<AtomicU64>> =
+        Arc::new((0..HOSTILE_KEYS).map(|_| AtomicU64::new(0)).collect());
+    let errors = Arc::new(AtomicU64::new(0));
+    let tasks = hammer(l.clone(), stop.clone(), granted.clone(), errors.clone());
+    until("every key granted", || {
+        counts(&granted).iter().all(|&g| g > 0)
+    })
+    .await;
+    let pg = tokio::task::spawn_blocking(move || {
+        let mut pg = pg;
+        pg.stop();
+        pg
+    })
+    .await
+    .unwrap();
+    until("calls fail while the server is down", || {
+        errors.load(Relaxed) > 0
+    })
+    .await;
+    let mut pg = pg;
+    pg.start_again().unwrap();
+    let at_restart = counts(&granted);
+    until("every key leases again after the restart", || {
+        counts(&granted)
+            .iter()
+            .zip(&at_restart)
+            .all(|(now, then)| now > then)
+    })
+    .await;
+    stop.store(true, Relaxed);
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let end = server_now(&pg).await;
+    let bound = opts.bound(1, end.duration_since(start).unwrap());
+    let s = l.stats();
+    eprintln!(
+        "granted {:?}, {} errors, {} leases in {} statements, bound {bound} per key",
+        counts(&granted),
+        errors.load(Relaxed),
+        s.leases,
+        s.lease_statements
+    );
+    for (k, g) in counts(&granted).into_iter().enumerate() {
+        assert!(g as u128 <= bound, "key h{k}: {g} > {bound}");
+    }
+}
+
+/// The child of `kill_9_of_a_process_holding_leases`: leases on the hostile keys until it is
+/// killed; prints `LEASING` once every key has been granted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "started as a child process by kill_9_of_a_process_holding_leases"]
+async fn leased_kill_child() {
+    use std::sync::atomic::{AtomicBool, AtomicU64};
+    use std::sync::Arc;
+    let Ok(conn) = std::env::var("IOTHROTTLE_KILL_CHILD") else {
+        return;
+    };
+    let l = Arc::new(
+        PgLeasedLimiter::connect(
+            &conn,
+            PgOptions::new().with_connections(2),
+            hostile_options(),
+        )
+        .await
+        .unwrap(),
+    );
+    let granted: Arc<Vec<AtomicU64>> =
+        Arc::new((0..HOSTILE_KEYS).map(|_| AtomicU64::new(0)).collect());
+    let _tasks = hammer(
+        l,
+        Arc::new(AtomicBool::new(false)),
+        granted.clone(),
+        Arc::new(AtomicU64::new(0)),
+    );
+    until("every key granted", || {
+        counts(&granted).iter().all(|&g| g > 0)
+    })
+    .await;
+    println!("LEASING");
+    std::future::pending::<()>().await;
+}
+
+/// `kill -9` of a process that holds leases on 32 hot keys and has batches in flight, while
+/// this process leases the same keys: the survivor keeps leasing every key (the killed
+/// backend's row locks go with its session) and never grants more than the bound for one
+/// process, `rate × W + burst + max_lease` on the server's clock; the killed process's
+/// tokens are lost (under-use), not granted again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_of_a_process_holding_leases() {
+    use std::io::BufRead;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+    use std::sync::Arc;
+    let Some(pg) = cluster_or_skip("kill_9_of_a_process_holding_leases") else {
+        return;
+    };
+    let setup = PgKeyedLimiter::connect(&pg.connection_string(), PgOptions::new())
+        .await
+        .unwrap();
+    setup.install().await.unwrap();
+    let start = server_now(&pg).await;
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["leased_kill_child", "--exact", "--ignored", "--nocapture"])
+        .env("IOTHROTTLE_KILL_CHILD", pg.connection_string())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let ready = tokio::task::spawn_blocking(move || {
+        let mut line = String::new();
+        while out.read_line(&mut line).unwrap() > 0 {
+            if line.contains("LEASING") {
+                return true;
+            }
+            line.clear();
+        }
+        false
+    })
+    .await
+    .unwrap();
+    assert!(ready, "the child leased");
+    let opts = hostile_options();
+    let l = Arc::new(
+        PgLeasedLimiter::connect(
+            &pg.connection_string(),
+            PgOptions::new().with_connections(2),
+            opts,
+        )
+        .await
+        .unwrap(),
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    let granted: Arc<Vec<AtomicU64>> =
+        Arc::new((0..HOSTILE_KEYS).map(|_| AtomicU64::new(0)).collect());
+    let errors = Arc::new(AtomicU64::new(0));
+    let tasks = hammer(l.clone(), stop.clone(), granted.clone(), errors.clone());
+    until("both processes lease every key", || {
+        counts(&granted).iter().all(|&g| g > 0)
+    })
+    .await;
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    let at_kill = counts(&granted);
+    until("the survivor leases every key after the kill", || {
+        counts(&granted)
+            .iter()
+            .zip(&at_kill)
+            .all(|(now, then)| now > then)
+    })
+    .await;
+    stop.store(true, Relaxed);
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let end = server_now(&pg).await;
+    let bound = opts.bound(1, end.duration_since(start).unwrap());
+    eprintln!(
+        "survivor granted {:?}; bound {bound} per key",
+        counts(&granted)
+    );
+    assert_eq!(errors.load(Relaxed), 0, "the survivor saw no error");
+    for (k, g) in counts(&granted).into_iter().enumerate() {
+        assert!(g as u128 <= bound, "key h{k}: {g} > {bound}");
+    }
+}
+
+/// A runtime shut down while a lease's batch is under way drops the task that runs the
+/// session's batches. The session must not stay marked as having one running (its next
+/// lease would wait forever): used from a new runtime, the limiter reconnects and leases.
+#[test]
+fn runtime_shut_down_mid_lease_leaves_no_batch_stuck() {
+    let Some(pg) = cluster_or_skip("runtime_shut_down_mid_lease_leaves_no_batch_stuck") else {
+        return;
+    };
+    let runtime = || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    };
+    let clock = ManualClock::new();
+    let opts = LeaseOptions::new(10, 100, 10).unwrap().with_min_lease(10);
+    let first = runtime();
+    let l = first.block_on(async {
+        let l = leased(&pg, opts, &clock).await;
+        assert!(l.try_acquire("warm", 1).await.unwrap());
+        {
+            let mut call = std::pin::pin!(l.try_acquire("k", 1));
+            assert!(poll_once(call.as_mut()).await.is_none());
+            lease_asked(&l, 2).await; // queued in its session's batch
+        }
+        l
+    });
+    drop(first);
+    runtime().block_on(async {
+        let next = tokio::time::timeout(Duration::from_secs(30), l.try_acquire("k", 1)).await;
+        assert!(
+            matches!(next, Ok(Ok(true))),
+            "the next lease failed or hung: {next:?}"
+        );
+    });
+}
+
+/// A runtime shut down while a key's background refill is under way must not leave the key's
+/// refill flag held: used from a new runtime, a take that leaves the key low starts a
+/// background lease again (before, the flag stayed claimed by the dropped task and the key
+/// only ever leased from its callers' slow path, after running dry).
+#[test]
+fn runtime_shut_down_mid_refill_leaves_the_refill_flag_free() {
+    let Some(pg) = cluster_or_skip("runtime_shut_down_mid_refill_leaves_the_refill_flag_free")
+    else {
+        return;
+    };
+    let runtime = || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    };
+    let clock = ManualClock::new();
+    // Leases of 10; the low-water line is half a lease.
+    let opts = LeaseOptions::new(10, 100, 10).unwrap().with_min_lease(10);
+    let first = runtime();
+    let l = first.block_on(async {
+        let l = leased(&pg, opts, &clock).await;
+        assert!(l.try_acquire("k", 1).await.unwrap()); // leased 10 (slow path), 9 left
+        assert!(l.try_acquire("k", 5).await.unwrap()); // fast path: 4 left, low
+        lease_asked(&l, 2).await; // the background refill's lease is under way
+        l
+    });
+    drop(first);
+    runtime().block_on(async {
+        let before = l.stats().leases;
+        assert_eq!(l.local_tokens("k"), 4);
+        assert!(l.try_acquire("k", 1).await.unwrap()); // fast path, 3 left: still low
+        until("a background refill leases again", || {
+            l.stats().leases > before
+        })
+        .await;
+        until("its tokens land", || l.local_tokens("k") > 3).await;
+    });
 }

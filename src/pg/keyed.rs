@@ -188,6 +188,11 @@ impl PgKeyedLimiter {
         &self.schema
     }
 
+    /// The limiter's sessions (leased mode batches its leases per session).
+    pub(crate) fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
     /// Creates or upgrades the tables in the limiter's schema ([`schema::install`]).
     pub async fn install(&self) -> Result<(), PgLimitError> {
         let live = self.pool.first().live().await?;

@@ -4,16 +4,22 @@
 //! its only source of tokens is leases, batches taken from the key's Postgres row by the
 //! strict-mode statement in its "take up to N" form. A call takes its tokens from the local
 //! count (one compare-and-swap when uncontended, no round trip); the database sees one
-//! statement per lease.
+//! statement per batch of leases.
 //!
+//! - **One statement for many keys**: the leases of all keys of one session that are waiting
+//!   go out as one statement (the strict upsert over `unnest` arrays, rows locked in key
+//!   order): one commit and one WAL flush per batch instead of per lease.
+//! - **Leases are never cancelled**: a lease runs on a task of its own, under the key's lease
+//!   mutex; a caller dropped mid-lease leaves it to land in the key.
 //! - **Refill before running dry**: when a grant leaves fewer than half a lease locally, a
 //!   background task leases the next batch while calls keep being served.
-//! - **Leases follow consumption**: a lease covers `lease_period` of the key's local
-//!   consumption rate (measured between leases), between `min_lease` and `max_lease`.
+//! - **Leases follow consumption**: a lease covers the key's local consumption rate (measured
+//!   while the key had tokens) for `lease_period`, or for twice the lease's round trip when
+//!   longer, between `min_lease` and `max_lease`.
 //! - **Trickle, not lump**: when the global bucket cannot fill a lease (it is empty), the key
-//!   asks again at most every `trickle_interval`, and each time gets what has accrued since:
-//!   grants arrive spread over time at the global rate, and calls in between are refused
-//!   locally without a round trip.
+//!   asks again at most every `trickle_interval`, and each time gets what has accrued since
+//!   (at most `rate × max(trickle_interval, round trip)`): grants arrive spread over time at
+//!   the global rate, and calls in between are refused locally without a round trip.
 //! - **Unused tokens go back** on [`shutdown`](PgLeasedLimiter::shutdown) and when a key is
 //!   evicted. An evicted key is closed and emptied while it leaves the key map, before any
 //!   call can re-create it, so its old state (still reachable through a [`LeasedKey`]) grants
@@ -53,11 +59,12 @@
 //! The fast path does one successful compare-and-swap on the key's token count and nothing
 //! else shared.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Mutex, RwLock};
 use std::time::{Duration, SystemTime};
 
-use super::keyed::PgKeyedLimiter;
+use super::conn::Conn;
+use super::keyed::{take_sql, Grant, PgKeyedLimiter};
 use super::retry::PgStats;
 use super::{check_bucket, check_key, PgOptions, MAX_CAPACITY};
 use crate::clock::{Clock, MonotonicClock};
@@ -229,6 +236,9 @@ pub struct LeaseStats {
     pub evictions: u64,
     /// The largest lease asked for.
     pub largest_lease: u64,
+    /// Statements that took leases: a statement takes the leases of every key of one
+    /// session that were waiting for it (so `leases / lease_statements` is the mean batch).
+    pub lease_statements: u64,
 }
 
 #[derive(Debug, Default)]
@@ -240,6 +250,66 @@ struct Counters {
     returned: AtomicU64,
     evictions: AtomicU64,
     largest_lease: AtomicU64,
+    lease_statements: AtomicU64,
+}
+
+/// The most leases one batch statement takes.
+const MAX_BATCH: usize = 1_024;
+
+/// The lease statement for many keys at once: the strict-mode upsert ([`take_sql`], "up to
+/// N" form) over `unnest($1 keys, $2 tokens wanted, $3 times)` with `$4` the rate and `$5`
+/// the capacity in micro-tokens, returning each row's key too. One statement, one commit
+/// (one WAL flush) for the whole batch; the rows are locked in key order, so two batches
+/// from different processes cannot deadlock on each other.
+///
+/// In the `DO UPDATE` arm the wanted count is `excluded.granted`, the first-call grant
+/// `least(n, cap)`: since the available amount never exceeds `cap`, `least(least(n, cap),
+/// available) = least(n, available)`, the very grant of the single-key statement.
+fn batch_take_sql() -> Option<String> {
+    const N: &str = "\u{1}n";
+    let one = take_sql("r.id", "$4::bigint", "$5::bigint", N, "true", "r.at");
+    let (head, tail) = one.split_once("\nON CONFLICT")?;
+    let (insert, values) = head.split_once("\nVALUES (")?;
+    let values = values.strip_suffix(')')?;
+    let tail = tail.strip_suffix("RETURNING b.micro, b.granted, b.ts")?;
+    Some(format!(
+        "{insert}\nSELECT {}\nFROM unnest($1::text[], $2::bigint[], $3::timestamptz[]) AS r(id, n, at)\n\
+         ORDER BY r.id\nON CONFLICT{}RETURNING b.micro, b.granted, b.ts, b.id",
+        values.replace(N, "r.n"),
+        tail.replace(N, "excluded.granted")
+    ))
+}
+
+/// The leases waiting for one session's next statement.
+#[derive(Debug, Default)]
+struct Batcher {
+    q: Mutex<BatchQueue>,
+}
+
+#[derive(Debug, Default)]
+struct BatchQueue {
+    pending: Vec<Pending>,
+    /// A task is running this session's statements (and will take what is pending).
+    running: bool,
+}
+
+/// One key's lease, waiting for its batch.
+#[derive(Debug)]
+struct Pending {
+    key: String,
+    ask: i64,
+    at: Option<SystemTime>,
+    tx: tokio::sync::oneshot::Sender<Result<Grant, PgLimitError>>,
+}
+
+/// What a detached lease found or did (see `Inner::lease_detached`).
+enum Leased {
+    /// The key was closed (evicted or shut down): look it up again.
+    Closed,
+    /// Enough tokens were there already; no lease was taken.
+    Ready,
+    /// A lease was taken: this many tokens (0: none to be had, or trickling).
+    Got(u64),
 }
 
 /// Lease control of one key; only touched under the key's lease mutex.
@@ -249,13 +319,16 @@ struct LeaseCtl {
     rate_est: f64,
     /// Tokens leased into this key's bucket so far (consumed = this - held).
     leased_total: u64,
-    /// When the estimate was last updated, and the tokens consumed then.
+    /// When the estimate was last updated (when the last lease landed), and the tokens
+    /// consumed then.
     sampled_at: Duration,
     consumed_then: u64,
     /// Trickling: no lease before this time.
     not_before: Option<Duration>,
     /// The size of the last lease asked for.
     last_ask: u64,
+    /// Estimated time a lease takes (statement, batch wait, commit), on the limiter's clock.
+    latency_est: Duration,
 }
 
 #[derive(Debug)]
@@ -273,6 +346,11 @@ struct KeyState {
     /// for (0: not trickling). A copy of `LeaseCtl::not_before` that calls can read without
     /// the mutex, to refuse at once.
     trickle_until: AtomicU64,
+    /// Nanoseconds (+1, so that 0 means "no") on the limiter's clock since a caller found no
+    /// local token and waits for a lease; cleared when a lease lands. Time spent dry is not
+    /// consumption time: the consumption estimate leaves it out (a key whose lease is gone
+    /// in a moment and then waits for the next wants far more than it got).
+    dry_since: AtomicU64,
     ctl: tokio::sync::Mutex<LeaseCtl>,
 }
 
@@ -321,6 +399,11 @@ struct Inner<C: Clock> {
     /// Serialises inserts that may evict, so two of them do not both evict.
     admit: Mutex<()>,
     counters: Counters,
+    /// The batch lease statement, with the schema filled in.
+    batch_sql: String,
+    /// One batcher per session, by the session's address in the pool (which lives as long
+    /// as `db`).
+    batchers: Mutex<Vec<(usize, Arc<Batcher>)>>,
 }
 
 /// Leased mode: a local token count per hot key, filled by leasing batches from the key's row.
@@ -364,6 +447,9 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> PgLeasedLimiter<C> {
         lease.validate()?;
         let cap_micro = check_bucket(lease.rate, lease.burst as i128)?;
         let db = PgKeyedLimiter::connect(config, options).await?;
+        let batch_sql = db
+            .schema()
+            .sql(&batch_take_sql().expect("the lease statement has the upsert's shape"));
         Ok(PgLeasedLimiter {
             inner: Arc::new(Inner {
                 db,
@@ -374,6 +460,8 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> PgLeasedLimiter<C> {
                 keys: RwLock::new(HashMap::new()),
                 admit: Mutex::new(()),
                 counters: Counters::default(),
+                batch_sql,
+                batchers: Mutex::new(Vec::new()),
             }),
         })
     }
@@ -539,6 +627,7 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> PgLeasedLimiter<C> {
             returned: c.returned.load(Ordering::Relaxed),
             evictions: c.evictions.load(Ordering::Relaxed),
             largest_lease: c.largest_lease.load(Ordering::Relaxed),
+            lease_statements: c.lease_statements.load(Ordering::Relaxed),
         }
     }
 
@@ -618,30 +707,230 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> Inner<C> {
             if ks.try_take(n) {
                 return Ok((true, ks));
             }
-            let mut ctl = ks.ctl.lock().await;
-            if ks.tokens.is_closed() {
-                drop(ctl);
-                ks = self.key_state(key).await; // evicted meanwhile: look the key up again
-                continue;
-            }
-            if ks.try_take(n) {
-                return Ok((true, ks.clone()));
-            }
-            let leased = self.lease(key, &ks, &mut ctl, n, true).await?;
-            drop(ctl);
+            let dry = self.clock.now().as_nanos() as u64 + 1;
+            // Relaxed: an estimate (see the field); the first caller to find the key dry wins.
+            let _ = ks
+                .dry_since
+                .compare_exchange(0, dry, Ordering::Relaxed, Ordering::Relaxed);
+            let leased = match self.lease_detached(key, &ks, n).await? {
+                Leased::Closed => {
+                    ks = self.key_state(key).await; // evicted meanwhile: look the key up again
+                    continue;
+                }
+                Leased::Ready => continue, // tokens were there: take them (or race again)
+                Leased::Got(got) => got,
+            };
             if ks.tokens.is_closed() {
                 continue; // evicted during the lease (which gave its tokens back): look up again
             }
-            let ok = leased > 0 && ks.try_take(n);
-            if !ok {
-                // Relaxed: statistics.
-                self.counters.refused.fetch_add(1, Ordering::Relaxed);
+            if ks.try_take(n) {
+                return Ok((true, ks));
             }
-            return Ok((ok, ks));
+            if leased > 0 {
+                continue; // other callers took this lease first
+            }
+            // Relaxed: statistics.
+            self.counters.refused.fetch_add(1, Ordering::Relaxed);
+            return Ok((false, ks));
         }
         // Relaxed: statistics.
         self.counters.refused.fetch_add(1, Ordering::Relaxed);
         Ok((false, ks))
+    }
+
+    /// Leases for `key` on a task of its own, under the key's mutex, and waits for it. The
+    /// lease is never cancelled with its caller: a caller dropped mid-lease leaves the lease to
+    /// finish and deposit its tokens (under the mutex, so `held ≤ max_lease` still holds and
+    /// no tokens are taken from the row without landing in the key). Defect: "a cancelled
+    /// acquire loses the tokens of its lease in flight".
+    async fn lease_detached(
+        self: &Arc<Self>,
+        key: &str,
+        ks: &Arc<KeyState>,
+        n: u64,
+    ) -> Result<Leased, PgLimitError> {
+        let (me, ks, key) = (self.clone(), ks.clone(), key.to_owned());
+        let task = tokio::spawn(async move {
+            let mut ctl = ks.ctl.lock().await;
+            if ks.tokens.is_closed() {
+                return Ok(Leased::Closed);
+            }
+            if ks.tokens.held() >= n {
+                return Ok(Leased::Ready);
+            }
+            me.lease(&key, &ks, &mut ctl, n, true)
+                .await
+                .map(Leased::Got)
+        });
+        match task.await {
+            Ok(r) => r,
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            // The runtime is shutting down: no lease.
+            Err(_) => Ok(Leased::Got(0)),
+        }
+    }
+
+    /// Takes up to `ask` tokens of `key` from its row, in the next batch statement of the
+    /// key's session (see [`batch_take_sql`]).
+    async fn batched_take(
+        self: &Arc<Self>,
+        key: &str,
+        ask: u64,
+        at: Option<SystemTime>,
+    ) -> Result<Grant, PgLimitError> {
+        // The batcher of the session the pool gives this key now (the address identifies it;
+        // the pool lives as long as `db`). Any session can run any key's lease: this only
+        // groups the leases that go out together.
+        let id = {
+            let conn = self.db.pool().for_key(key);
+            &*conn as *const Conn as usize
+        };
+        let b = {
+            let mut all = self.batchers.lock().expect("batchers");
+            match all.iter().find(|(c, _)| *c == id) {
+                Some((_, b)) => b.clone(),
+                None => {
+                    let b = Arc::new(Batcher::default());
+                    all.push((id, b.clone()));
+                    b
+                }
+            }
+        };
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let start = {
+            let mut q = b.q.lock().expect("lease batch");
+            q.pending.push(Pending {
+                key: key.to_owned(),
+                ask: ask as i64,
+                at,
+                tx,
+            });
+            !std::mem::replace(&mut q.running, true)
+        };
+        if start {
+            tokio::spawn(self.clone().run_batches(b));
+        }
+        rx.await.unwrap_or_else(|_| {
+            Err(PgLimitError::Unavailable {
+                retry_in: Duration::ZERO,
+                why: "the lease batch was dropped (runtime shutting down)".into(),
+            })
+        })
+    }
+
+    /// Runs one session's batch statements while leases are waiting: each takes every
+    /// pending key once (a key's second lease, from an evicted state, waits for the next).
+    async fn run_batches(self: Arc<Self>, b: Arc<Batcher>) {
+        /// If this task ends early (a panic, or its runtime shutting down), lets the next
+        /// lease start a new one, and fails the leases queued meanwhile (their senders are
+        /// dropped) instead of leaving them waiting forever.
+        struct Stopped(Arc<Batcher>, bool);
+        impl Drop for Stopped {
+            fn drop(&mut self) {
+                if self.1 {
+                    return; // ended normally, with `running` reset under the queue's lock
+                }
+                if let Ok(mut q) = self.0.q.lock() {
+                    q.running = false;
+                    q.pending.clear();
+                }
+            }
+        }
+        let mut stopped = Stopped(b.clone(), false);
+        loop {
+            // Let the leases that are ready to ask (a wave of keys running dry together)
+            // join this batch rather than wait a whole statement for the next one.
+            tokio::task::yield_now().await;
+            let mut batch = {
+                let mut q = b.q.lock().expect("lease batch");
+                if q.pending.is_empty() {
+                    q.running = false;
+                    stopped.1 = true;
+                    return;
+                }
+                let mut seen = HashSet::new();
+                let (mut now, mut later) = (Vec::new(), Vec::new());
+                for p in q.pending.drain(..) {
+                    if now.len() < MAX_BATCH && seen.insert(p.key.clone()) {
+                        now.push(p);
+                    } else {
+                        later.push(p);
+                    }
+                }
+                q.pending = later;
+                now
+            };
+            // Relaxed: statistics.
+            self.counters
+                .lease_statements
+                .fetch_add(1, Ordering::Relaxed);
+            let mut alone = Vec::new();
+            if batch.len() == 1 {
+                alone = batch;
+            } else {
+                match self.run_batch(&batch).await {
+                    Ok(mut rows) => {
+                        for p in batch.drain(..) {
+                            match rows.remove(&p.key) {
+                                Some(g) => {
+                                    let _ = p.tx.send(Ok(g));
+                                }
+                                None => alone.push(p),
+                            }
+                        }
+                    }
+                    // Each lease on its own, so that each caller gets its own error (a lost
+                    // connection may have committed the batch: those tokens are then lost,
+                    // under-use, never a second grant).
+                    Err(_) => alone = batch,
+                }
+            }
+            for p in alone {
+                let r = self
+                    .db
+                    .take_raw(&p.key, self.opts.rate, self.cap_micro, p.ask, true, p.at)
+                    .await;
+                let _ = p.tx.send(r);
+            }
+        }
+    }
+
+    async fn run_batch(&self, batch: &[Pending]) -> Result<HashMap<String, Grant>, PgLimitError> {
+        let ids: Vec<&str> = batch.iter().map(|p| p.key.as_str()).collect();
+        let asks: Vec<i64> = batch.iter().map(|p| p.ask).collect();
+        let ats: Vec<Option<SystemTime>> = batch.iter().map(|p| p.at).collect();
+        let (ids, asks, ats) = (&ids, &asks, &ats);
+        let (rate, cap) = (&self.opts.rate, &self.cap_micro);
+        let sql = self.batch_sql.as_str();
+        self.db
+            .pool()
+            .for_key(ids[0])
+            .run(|live| async move {
+                let st = live.prepared(sql).await?;
+                let rows = live.client.query(&st, &[ids, asks, ats, rate, cap]).await?;
+                Ok(rows
+                    .into_iter()
+                    .map(|r| {
+                        (
+                            r.get::<_, String>(3),
+                            Grant {
+                                micro_left: r.get(0),
+                                granted: r.get(1),
+                                at: r.get(2),
+                            },
+                        )
+                    })
+                    .collect())
+            })
+            .await
+    }
+
+    /// How long a key whose lease came back short waits before asking again: the trickle
+    /// interval, or a quarter of `burst / rate` if sooner (waiting longer would let the
+    /// global bucket overflow its burst and discard refill).
+    fn trickle_every(&self) -> Duration {
+        let burst_time = Duration::from_secs_f64(self.opts.burst as f64 / self.opts.rate as f64);
+        self.opts.trickle_interval.min(burst_time / 4)
     }
 
     fn at(&self) -> Option<SystemTime> {
@@ -651,8 +940,14 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> Inner<C> {
         }
     }
 
+    /// A lease covers the key's consumption for `lease_period`, or for twice the time a lease
+    /// takes when that is longer: the next lease starts when half is left (the low-water
+    /// line), so what is left must last a lease's round trip or the key runs dry and its row
+    /// accumulates what the process could not lease in time. (A lease that waits longer than
+    /// it takes to consume is also why the measured consumption lags the demand.)
     fn lease_size(&self, ctl: &LeaseCtl) -> u64 {
-        let want = (ctl.rate_est * self.opts.lease_period.as_secs_f64()).ceil();
+        let cover = self.opts.lease_period.max(ctl.latency_est * 2);
+        let want = (ctl.rate_est * cover.as_secs_f64()).ceil();
         (want as u64).clamp(self.opts.min_lease, self.opts.max_lease)
     }
 
@@ -722,6 +1017,7 @@ impl KeyState {
             low: AtomicU64::new(0),
             refilling: RefillFlag::new(),
             trickle_until: AtomicU64::new(0),
+            dry_since: AtomicU64::new(0),
             ctl: tokio::sync::Mutex::new(LeaseCtl {
                 rate_est: 0.0,
                 leased_total: 0,
@@ -729,6 +1025,7 @@ impl KeyState {
                 consumed_then: 0,
                 not_before: None,
                 last_ask: 0,
+                latency_est: Duration::ZERO,
             }),
         }
     }
@@ -738,7 +1035,7 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> Inner<C> {
     /// Takes a lease for `key` (the caller holds `ctl`); returns the tokens leased. `dry`:
     /// a caller found no local token, so the last lease was too small.
     async fn lease(
-        &self,
+        self: &Arc<Self>,
         key: &str,
         ks: &KeyState,
         ctl: &mut LeaseCtl,
@@ -751,11 +1048,17 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> Inner<C> {
                 return Ok(0); // trickling: the global bucket was empty a moment ago
             }
         }
-        // Update the consumption estimate (tokens per second since the last sample).
-        // Consumption since the last sample, over at least 1 ms (so that a key that is hot
-        // from its first call ramps up within a few leases instead of leasing min_lease per
-        // call until a millisecond has passed).
-        let elapsed = now
+        // Update the consumption estimate (tokens per second since the last lease landed),
+        // over the time the key had tokens: up to when a caller found it dry, if one did.
+        // At least 1 ms (so that a key that is hot from its first call ramps up within a
+        // few leases instead of leasing min_lease per call until a millisecond has passed).
+        // Relaxed: an estimate (see the field).
+        let dry_at = ks.dry_since.load(Ordering::Relaxed);
+        let active_until = match dry_at {
+            0 => now,
+            d => Duration::from_nanos(d - 1).min(now),
+        };
+        let elapsed = active_until
             .saturating_sub(ctl.sampled_at)
             .max(Duration::from_millis(1));
         let consumed = ctl.leased_total - ks.tokens.held().min(ctl.leased_total);
@@ -777,6 +1080,17 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> Inner<C> {
             // leased to), so grow geometrically, like a slow start.
             want = want.max(ctl.last_ask.saturating_mul(2));
         }
+        if ctl.not_before.is_some() {
+            // The last lease was short: the global bucket is the limit (other processes, or
+            // demand above the rate). Ask for at most one asking interval of the global
+            // rate: after a stall the row holds a lump, and a process that took it all would
+            // hold what the others are waiting for (and give it back unspent at shutdown); a
+            // remainder left in the row makes the next lease full, and full leases follow
+            // each other without waiting.
+            let every = self.trickle_every().max(ctl.latency_est);
+            let share = (self.opts.rate as f64 * every.as_secs_f64()).ceil() as u64;
+            want = want.min(share.max(self.opts.min_lease).max(at_least));
+        }
         let ask = want.min(self.opts.max_lease).min(room);
         if ask == 0 {
             return Ok(0);
@@ -786,17 +1100,14 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> Inner<C> {
         self.counters
             .largest_lease
             .fetch_max(ask, Ordering::Relaxed);
-        let g = self
-            .db
-            .take_raw(
-                key,
-                self.opts.rate,
-                self.cap_micro,
-                ask as i64,
-                true,
-                self.at(),
-            )
-            .await?;
+        let g = self.batched_take(key, ask, self.at()).await?;
+        let landed = self.clock.now();
+        let took = landed.saturating_sub(now);
+        ctl.latency_est = if ctl.latency_est.is_zero() {
+            took
+        } else {
+            (ctl.latency_est + took) / 2
+        };
         let got = g.granted.max(0) as u64;
         if got > 0 {
             // Relaxed: statistics.
@@ -809,6 +1120,11 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> Inner<C> {
                 return Ok(0);
             }
             ctl.leased_total += got;
+            // The estimate's next interval starts now, with tokens in hand.
+            ctl.sampled_at = landed;
+            ctl.consumed_then = ctl.leased_total - ks.tokens.held().min(ctl.leased_total);
+            // Relaxed: an estimate (see the field).
+            ks.dry_since.store(0, Ordering::Relaxed);
         }
         if got < ask {
             // Relaxed: statistics.
@@ -816,9 +1132,7 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> Inner<C> {
             // Ask again when about a quarter of the burst has accrued, or after the trickle
             // interval if sooner: waiting longer would let the global bucket overflow its
             // burst and discard refill (the rate would not be held).
-            let burst_time =
-                Duration::from_secs_f64(self.opts.burst as f64 / self.opts.rate as f64);
-            let until = now + self.opts.trickle_interval.min(burst_time / 4);
+            let until = now + self.trickle_every();
             ctl.not_before = Some(until);
             // Relaxed: a hint for refusing without the mutex; the mutex-held copy decides.
             ks.trickle_until
@@ -845,7 +1159,18 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> Inner<C> {
             return;
         }
         let (me, ks, key) = (self.clone(), ks.clone(), key.to_owned());
+        /// Lets go of the flag if the refill task ends while holding it (its runtime shut
+        /// down): otherwise no take could ever start a background refill of the key again.
+        struct Holding(Arc<KeyState>, bool);
+        impl Drop for Holding {
+            fn drop(&mut self) {
+                if self.1 {
+                    self.0.refilling.release(|| false);
+                }
+            }
+        }
         rt.spawn(async move {
+            let mut holding = Holding(ks.clone(), true);
             loop {
                 let mut ctl = ks.ctl.lock().await;
                 let mut got = 0;
@@ -860,9 +1185,11 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> Inner<C> {
                 drop(ctl);
                 // A refill that got nothing (trickling, an error, closed) stops: the next take
                 // that finds the key low claims the flag again.
+                holding.1 = false;
                 if !ks.refilling.release(|| got > 0 && ks.low()) {
                     break;
                 }
+                holding.1 = true; // claimed again by the re-check
             }
         });
     }
@@ -899,6 +1226,20 @@ mod tests {
         if let Some(mut hook) = AFTER_FAILED_TAKE.with(|h| h.borrow_mut().take()) {
             hook(ks);
         }
+    }
+
+    /// The batch statement is the single-key upsert over `unnest`, with the wanted count in
+    /// the update arm read through `excluded.granted` (the update arm cannot see `r`).
+    #[test]
+    fn batch_statement_has_the_upserts_shape() {
+        let sql = batch_take_sql().expect("shape");
+        assert!(sql.contains("FROM unnest($1::text[], $2::bigint[], $3::timestamptz[])"));
+        assert!(sql.contains("ORDER BY r.id\nON CONFLICT (id) DO UPDATE"));
+        assert!(sql.ends_with("RETURNING b.micro, b.granted, b.ts, b.id"));
+        let (insert, update) = sql.split_once("ON CONFLICT").unwrap();
+        assert!(insert.contains("r.n") && !insert.contains("excluded."));
+        assert!(update.contains("excluded.granted") && !update.contains("r.n"));
+        assert!(!sql.contains('\u{1}'), "a placeholder was left");
     }
 
     /// Defect: "a failing fast-path `try_take` in leased mode makes a later refund vanish".
