@@ -40,7 +40,9 @@ use tokio_postgres::{Client, Config, Statement};
 use crate::bucket::{BucketState, Rate};
 use crate::checkpoint::{Checkpoint, Snapshot, FORMAT_VERSION};
 use crate::error::CheckpointError;
-use crate::pg::tls::Tls;
+use crate::pg::tls::{SessionWatch, Tls};
+use crate::pg::SessionEnd;
+use crate::sync::Arc;
 
 const CREATE: &str = "CREATE TABLE IF NOT EXISTS iothrottle_checkpoint (
     name text PRIMARY KEY,
@@ -88,7 +90,7 @@ pub struct PgCheckpoint {
     name: String,
     timeout: Duration,
     tls: Tls,
-    conn: Mutex<Option<(Client, Statement)>>,
+    conn: Mutex<Option<(Client, Statement, Arc<SessionEnd>)>>,
 }
 
 impl PgCheckpoint {
@@ -149,7 +151,7 @@ impl PgCheckpoint {
         // A connection of its own, with nothing prepared: the statements of this version may
         // not parse against an older table until it is upgraded.
         let result = tokio::time::timeout(self.timeout, async {
-            let client = self.open().await?;
+            let client = self.open(None).await?;
             create_table(&client).await
         })
         .await
@@ -179,8 +181,9 @@ impl PgCheckpoint {
 
     /// Opens a connection, makes its commits durable, and prepares the upsert. Creates the
     /// table only when it is missing (so a role without `CREATE` works once it exists).
-    async fn connect(&self) -> Result<(Client, Statement), CheckpointError> {
-        let client = self.open().await?;
+    async fn connect(&self) -> Result<(Client, Statement, Arc<SessionEnd>), CheckpointError> {
+        let end = Arc::new(SessionEnd::default());
+        let client = self.open(Some(end.clone())).await?;
         let exists: bool = client
             .query_one("SELECT to_regclass($1) IS NOT NULL", &[&Self::TABLE])
             .await
@@ -190,14 +193,15 @@ impl PgCheckpoint {
             create_table(&client).await?;
         }
         let upsert = client.prepare(UPSERT).await.map_err(pg_err("prepare"))?;
-        Ok((client, upsert))
+        Ok((client, upsert, end))
     }
 
     /// Opens a connection whose commits are durable.
-    async fn open(&self) -> Result<Client, CheckpointError> {
+    async fn open(&self, watch: Option<Arc<SessionEnd>>) -> Result<Client, CheckpointError> {
+        let watch = watch.map(|w| w as Arc<dyn SessionWatch>);
         let client = self
             .tls
-            .connect(&self.config, "postgres checkpoint")
+            .connect_watched(&self.config, "postgres checkpoint", watch)
             .await
             .map_err(pg_err("connect"))?;
         // Durable commits whatever the server, role or database says: any value but `off`
@@ -225,11 +229,24 @@ impl PgCheckpoint {
     ) -> Result<T, CheckpointError> {
         let mut guard = self.conn.lock().await;
         let result = tokio::time::timeout(self.timeout, async {
-            if guard.as_ref().is_none_or(|(c, _)| c.is_closed()) {
+            if guard.as_ref().is_none_or(|(c, _, _)| c.is_closed()) {
                 *guard = Some(self.connect().await?);
             }
-            let (client, stmt) = guard.as_ref().expect("connected above");
-            op(client, stmt).await
+            let (client, stmt, end) = guard.as_ref().expect("connected above");
+            match op(client, stmt).await {
+                // The server closed the session and told its connection's task why, not this
+                // statement ("connection closed"): carry the server's reason.
+                Err(CheckpointError::Postgres { op, message }) if client.is_closed() => {
+                    let message = match end.reason_after_loss().await {
+                        Some(reason) if !message.contains(&reason) => {
+                            format!("{message} (the server closed the session: {reason})")
+                        }
+                        _ => message,
+                    };
+                    Err(CheckpointError::Postgres { op, message })
+                }
+                other => other,
+            }
         })
         .await
         .unwrap_or_else(|_| {

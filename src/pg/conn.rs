@@ -131,6 +131,28 @@ impl SessionEnd {
         f(&mut self.state.lock().expect("session state"));
         self.changed.notify_waiters();
     }
+
+    /// For a call that saw a bare connection loss on this session: the server's reason once
+    /// some call or the connection's task has received it, or `None` once the task has ended
+    /// without one and no other call on the session is left to report one.
+    pub(crate) async fn reason_after_loss(&self) -> Option<String> {
+        loop {
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            // Registered before looking, so a change between the look and the wait wakes us.
+            changed.as_mut().enable();
+            {
+                let c = self.state.lock().expect("session state");
+                if let Some(reason) = &c.reason {
+                    return Some(reason.clone());
+                }
+                if c.in_flight == 0 && c.ended {
+                    return None;
+                }
+            }
+            changed.await;
+        }
+    }
 }
 
 impl super::tls::SessionWatch for SessionEnd {
@@ -193,24 +215,12 @@ impl Live {
             return Err(RunError::Pg(e));
         }
         drop(call);
-        loop {
-            let changed = self.end.changed.notified();
-            tokio::pin!(changed);
-            // Registered before looking, so a change between the look and the wait wakes us.
-            changed.as_mut().enable();
-            {
-                let c = self.end.state.lock().expect("session state");
-                if let Some(reason) = &c.reason {
-                    return Err(RunError::Typed(PgLimitError::Connection {
-                        source: e,
-                        closed_by: Some(reason.clone()),
-                    }));
-                }
-                if c.in_flight == 0 && c.ended {
-                    return Err(RunError::Pg(e));
-                }
-            }
-            changed.await;
+        match self.end.reason_after_loss().await {
+            Some(reason) => Err(RunError::Typed(PgLimitError::Connection {
+                source: e,
+                closed_by: Some(reason),
+            })),
+            None => Err(RunError::Pg(e)),
         }
     }
 

@@ -21,6 +21,7 @@
 #![doc = include_str!("../../docs/postgres.md")]
 
 mod conn;
+pub(crate) use conn::SessionEnd;
 pub mod keyed;
 pub mod leased;
 pub mod reference;
