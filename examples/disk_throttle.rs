@@ -8,9 +8,8 @@
 //! ```
 //!
 //! 1. **Disk model**: measured in a few seconds with O_DIRECT (random 4 KiB reads and writes at
-//!    queue depth 32, sequential 1 MiB reads at queue depth 4 and writes one at a time, as the
-//!    compaction runs under the goal; each after a discarded ramp), or loaded from a Seastar
-//!    `io_properties.yaml` (`--properties`).
+//!    queue depth 32, sequential 1 MiB reads and writes at queue depth 4, each after a
+//!    discarded ramp), or loaded from a Seastar `io_properties.yaml` (`--properties`).
 //! 2. **Six phases**, `--phase-secs` seconds each, run as interleaved one-second slices (one
 //!    of each phase per round, so that whatever else the machine does falls on all alike), on
 //!    scratch files in a temporary directory under `--dir` (a real disk; tmpfs has no
@@ -25,7 +24,7 @@
 //!      the RocksDB way);
 //!    - `iothrottle`: both through the [`Dispatcher`] with a latency goal (`--goal-us`): the
 //!      compaction's writes are split into 4 KiB-aligned pieces, at most the goal's disk
-//!      time is in flight, and the compaction holds at most half of it (`--bg-in-flight-us`,
+//!      time is in flight, and the compaction holds at most a quarter of it (`--bg-in-flight-us`,
 //!      `ClassConfig::with_max_in_flight`), so that writes the host stalls cannot hold the
 //!      foreground's share;
 //!    - `target`: the same dispatcher in latency-target mode: the foreground declares a p99
@@ -96,11 +95,12 @@ struct Args {
     #[arg(long, default_value_t = 300)]
     goal_us: u64,
     /// The most disk time one compaction piece may take, microseconds (at most the goal).
-    /// Default: half the goal, but at least one 64 KiB write's and at most the goal.
+    /// Default: the compaction's in-flight bound (half the goal with --no-bg-bound), but at
+    /// least one 64 KiB write's and at most the goal.
     #[arg(long)]
     piece_us: Option<u64>,
     /// The most disk time the compaction may hold in flight in the dispatcher, microseconds
-    /// (`ClassConfig::with_max_in_flight`; default: half the goal). The rest of the goal stays
+    /// (`ClassConfig::with_max_in_flight`; default: a quarter of the goal). The rest of the goal stays
     /// free for the foreground even when the host stalls the compaction's writes.
     #[arg(long)]
     bg_in_flight_us: Option<u64>,
@@ -485,20 +485,16 @@ fn measure(
 /// The ramp of each quick measurement, discarded.
 const QUICK_RAMP: Duration = Duration::from_millis(250);
 
-/// The quick disk model: reads at saturation (random 4 KiB at depth 32, sequential 1 MiB at
-/// depth 4), random 4 KiB writes at depth 32, and the write bandwidth of sequential 1 MiB writes
-/// one at a time. Under a latency goal the compaction runs that way (its in-flight bound is
-/// about one piece), and this disk serves writes one after another: measured at depth 4 the
-/// bandwidth (about 3 GB/s, into the host's cache) made a piece's modelled disk time 135 µs
-/// while its service took 236 µs (p50), so "at most half the goal in flight" held 1.75× that
-/// much real disk time ahead of the foreground; measured one at a time, 143 µs modelled for a
-/// service p50 of 161 µs (same machine, same load). Each figure after a discarded ramp.
+/// The quick disk model: random 4 KiB reads and writes at depth 32, sequential 1 MiB reads
+/// and writes at depth 4, each after a discarded ramp of 250 ms (a virtio disk's host cache
+/// absorbs the first fraction of a second of writes faster than it sustains them); the reads
+/// measured for 0.5 s, the writes for 1 s.
 fn quick_model(file: &Arc<File>, fg: (u64, u64), bg: (u64, u64)) -> Result<DiskModel, BoxError> {
     let t = Duration::from_millis(500);
     let (read_iops, _) = measure(file, fg, false, true, 4096, 32, t)?;
     let (_, read_bw) = measure(file, fg, false, false, 1 << 20, 4, t)?;
     let (write_iops, _) = measure(file, bg, true, true, 4096, 32, t * 2)?;
-    let (_, write_bw) = measure(file, bg, true, false, 1 << 20, 1, t * 2)?;
+    let (_, write_bw) = measure(file, bg, true, false, 1 << 20, 4, t * 2)?;
     let m = DiskModel::new(
         read_bw.max(1.0) as u64,
         write_bw.max(1.0) as u64,
@@ -1070,7 +1066,7 @@ async fn real_disk_inner(
             let f = file.clone();
             let m = tokio::task::spawn_blocking(move || quick_model(&f, fg_region, bg_region))
                 .await??;
-            println!("  disk model measured in {:.1} s (O_DIRECT, 4 KiB random at depth 32, 1 MiB sequential reads at depth 4 and writes at depth 1)", t.elapsed().as_secs_f64());
+            println!("  disk model measured in {:.1} s (O_DIRECT, 4 KiB random at depth 32, 1 MiB sequential at depth 4)", t.elapsed().as_secs_f64());
             m
         }
     };
@@ -1082,8 +1078,8 @@ async fn real_disk_inner(
         disk.write_bw as f64 / 1e6
     );
     let goal = Duration::from_micros(args.goal_us);
-    // Pieces: half the goal by default, but at least one 64 KiB write (a slow disk would
-    // otherwise get tiny pieces, or none), never more than the goal.
+    // Pieces: at most the compaction's in-flight bound (below), but at least one 64 KiB write (a
+    // slow disk would otherwise get tiny pieces, or none), never more than the goal.
     let smallest = disk.disk_time(&IoRequest::write(4096));
     if smallest > goal {
         return Err(format!(
@@ -1093,16 +1089,25 @@ async fn real_disk_inner(
         )
         .into());
     }
-    let piece = match args.piece_us {
-        Some(us) => Duration::from_micros(us),
-        None => (goal / 2)
-            .max(disk.disk_time(&IoRequest::write(64 << 10)))
-            .min(goal),
-    };
+    // The compaction's bound: a quarter of the goal by default. The foreground's p99 grows by
+    // about the real disk time of the compaction in flight ahead of a read, and a piece's
+    // service took 1.5–1.9× its modelled disk time on this disk (p50 206–276 µs for 139–147 µs
+    // modelled, load 2–3): at half the goal that was ~200–260 µs ahead of reads whose idle p99
+    // is 300–400 µs, p99 1.45–1.59× idle (quiet machine) — at the target's edge. A quarter
+    // halves it.
     let bg_bound = match (args.no_bg_bound, args.bg_in_flight_us) {
         (true, _) => None,
         (false, Some(us)) => Some(Duration::from_micros(us)),
-        (false, None) => Some(goal / 2),
+        (false, None) => Some(goal / 4),
+    };
+    // A piece no larger than the compaction's bound (one piece alone always goes, so a larger
+    // one would exceed the bound); without a bound, half the goal.
+    let piece = match args.piece_us {
+        Some(us) => Duration::from_micros(us),
+        None => bg_bound
+            .unwrap_or(goal / 2)
+            .max(disk.disk_time(&IoRequest::write(64 << 10)))
+            .min(goal),
     };
     let file_options = |max_piece: u64| FileOptions {
         write: true,
