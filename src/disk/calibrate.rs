@@ -82,7 +82,11 @@ pub struct Calibration {
 /// stop growing (two depths in a row add less than 5%, going at least to depth 32), then sequential reads and writes of
 /// [`sequential_size`](CalibrateOptions::sequential_size). All I/O is O_DIRECT on a scratch file
 /// of [`file_size`](CalibrateOptions::file_size) that is reserved (`fallocate`), written once,
-/// measured with time-based runs, and removed. One thread keeps the queue depth with io_uring.
+/// flushed, measured with time-based runs, and removed. Each figure is a sustained one, as fio
+/// measures it: a ramp of up to one second is discarded (a virtio disk's host cache absorbs the
+/// first second of random writes at up to twice the rate it sustains), then the rest of the
+/// figure's share of [`seconds`](CalibrateOptions::seconds) is measured. One thread keeps the
+/// queue depth with io_uring.
 ///
 /// Errors: a memory file system ([`DiskError::NotADisk`]), no O_DIRECT, a full disk
 /// ([`DiskError::NoSpace`] before anything is written), io_uring unavailable, bad options.
@@ -160,6 +164,10 @@ pub fn calibrate_detailed(
             Stop::Bytes(options.file_size),
         )
         .map_err(io_err("write"))?;
+    // Flushed before anything is measured: the device's volatile write cache (a virtio disk's
+    // host page cache) holds none of the fill, so its write-back does not fall on the
+    // measurements, and each calibration starts from the same state.
+    file.sync_data().map_err(io_err("flush (fdatasync)"))?;
     let fill = t.elapsed();
 
     let total = Duration::from_secs(options.seconds);
@@ -178,7 +186,7 @@ pub fn calibrate_detailed(
             options.sequential_size,
             options.sequential_depth,
             Pattern::Sequential,
-            Stop::After(seq),
+            Stop::sustained(seq),
         )
         .map_err(io_err("read"))?;
     let read_bandwidth = m.bytes_per_second();
@@ -188,7 +196,7 @@ pub fn calibrate_detailed(
             options.sequential_size,
             options.sequential_depth,
             Pattern::Sequential,
-            Stop::After(seq),
+            Stop::sustained(seq),
         )
         .map_err(io_err("write"))?;
     let write_bandwidth = m.bytes_per_second();
@@ -276,8 +284,37 @@ enum Pattern {
 
 #[derive(Clone, Copy)]
 enum Stop {
-    After(Duration),
+    /// Run `ramp + measure`; only the completions after `ramp` count (fio's `ramp_time`).
+    Timed {
+        ramp: Duration,
+        measure: Duration,
+    },
     Bytes(u64),
+}
+
+/// The ramp of a sustained measurement: fio's `ramp_time=1` (one second), but at most a fifth
+/// of a short window.
+const RAMP: Duration = Duration::from_secs(1);
+
+impl Stop {
+    /// A short ladder step: a tenth of it ramps.
+    fn step(d: Duration) -> Stop {
+        Stop::Timed {
+            ramp: d / 10,
+            measure: d - d / 10,
+        }
+    }
+
+    /// A figure's final measurement over `window`: a ramp of [`RAMP`] (at most a fifth of the
+    /// window), discarded, so that the queue fills and a burst that a cache absorbs at the
+    /// start is not what is measured; the rest is measured.
+    fn sustained(window: Duration) -> Stop {
+        let ramp = RAMP.min(window / 5);
+        Stop::Timed {
+            ramp,
+            measure: window - ramp,
+        }
+    }
 }
 
 struct Measure {
@@ -296,6 +333,23 @@ impl Measure {
     fn bytes_per_second(&self) -> f64 {
         self.per_second(self.bytes)
     }
+}
+
+/// A ladder step: 3.5% of a random figure's budget, so that eight depths take at most 28%.
+fn ladder_step(budget: Duration) -> Duration {
+    budget.mul_f64(0.035)
+}
+
+/// The depth a random figure is measured at: the deepest step within 10% of the best. Past
+/// saturation the IOPS stay flat and noise alone picks the best among them, while a deeper queue
+/// is surely saturated: a noisy shallow step must not set the depth of the figure.
+fn saturated_depth(ladder: &[DepthStep]) -> Option<u32> {
+    let best = ladder.iter().map(|s| s.iops).fold(0.0, f64::max);
+    ladder
+        .iter()
+        .filter(|s| s.iops >= best * 0.9)
+        .map(|s| s.depth)
+        .max()
 }
 
 struct Bench<'r> {
@@ -318,8 +372,10 @@ impl Bench<'_> {
     }
 
     /// Random requests at depths 1, 2, 4, … (at least to [`MIN_LADDER_DEPTH`]) until two depths
-    /// in a row add less than 5% to the best; then the best depth is measured again for the
-    /// rest of `budget`.
+    /// in a row add less than 5% to the best, each for a short step (3.5% of `budget`, at most
+    /// 28% for eight depths); then the deepest depth within 10% of the best is measured again, sustained
+    /// ([`Stop::sustained`]), for the rest of `budget` (at least 72%, as long as fio's 1 s ramp
+    /// and 4 s run in a 20 s calibration): the figure is that sustained one, not the step's.
     fn ladder(
         &mut self,
         op: Op,
@@ -327,7 +383,7 @@ impl Bench<'_> {
         max: u32,
         budget: Duration,
     ) -> io::Result<(u32, Vec<DepthStep>, f64)> {
-        let step = budget.mul_f64(0.08);
+        let step = ladder_step(budget);
         let mut ladder = Vec::new();
         let mut best = DepthStep {
             depth: 1,
@@ -339,7 +395,7 @@ impl Bench<'_> {
         // be noise).
         let mut misses = 0;
         while depth <= max {
-            let m = self.run(op, size, depth, Pattern::Random, Stop::After(step))?;
+            let m = self.run(op, size, depth, Pattern::Random, Stop::step(step))?;
             let s = DepthStep {
                 depth,
                 iops: m.iops(),
@@ -360,9 +416,10 @@ impl Bench<'_> {
             }
             depth *= 2;
         }
+        let depth = saturated_depth(&ladder).unwrap_or(best.depth);
         let rest = budget.saturating_sub(started.elapsed()).max(step);
-        let m = self.run(op, size, best.depth, Pattern::Random, Stop::After(rest))?;
-        Ok((best.depth, ladder, m.iops()))
+        let m = self.run(op, size, depth, Pattern::Random, Stop::sustained(rest))?;
+        Ok((depth, ladder, m.iops()))
     }
 
     /// Keeps `depth` requests of `size` in flight until `stop`.
@@ -388,10 +445,10 @@ impl Bench<'_> {
             self.bufs.push(b);
         }
         let started = Instant::now();
-        // Time-based runs count from the end of a short ramp (a tenth of the run, at most half
-        // a second), as fio's `ramp_time` does: the queue fills and the device settles first.
+        // Time-based runs count from the end of their ramp, as fio's `ramp_time` does: the
+        // queue fills and the device settles first.
         let ramp = match stop {
-            Stop::After(d) => (d / 10).min(Duration::from_millis(500)),
+            Stop::Timed { ramp, .. } => ramp,
             Stop::Bytes(_) => Duration::ZERO,
         };
         let mut counting_from = None;
@@ -404,7 +461,7 @@ impl Bench<'_> {
         };
         let mut in_flight = 0usize;
         let more = |issued: u64, now: Instant| match stop {
-            Stop::After(d) => now.duration_since(started) < d,
+            Stop::Timed { ramp, measure } => now.duration_since(started) < ramp + measure,
             Stop::Bytes(b) => issued < b,
         };
         let mut next_offset = |this: &mut Self| match pattern {
@@ -492,5 +549,51 @@ impl Bench<'_> {
             self.ring.submit()?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The defect: the random-write figure was measured over what the ladder left (2.2 s in a
+    /// 20 s calibration) after a ramp of 0.25 s, so it measured the first seconds of writes that
+    /// a virtio disk's host cache absorbs at up to twice the rate it sustains (1.45× fio's
+    /// figure). fio's reference runs 1 s of ramp and 5 s.
+    #[test]
+    fn random_figures_are_measured_sustained_after_a_one_second_ramp() {
+        for seconds in [20, 30, 60] {
+            let budget = Duration::from_secs(seconds).mul_f64(0.35);
+            // The longest ladder: eight depths (1..=128).
+            let rest = budget - ladder_step(budget) * 8;
+            let Stop::Timed { ramp, measure } = Stop::sustained(rest) else {
+                panic!("timed");
+            };
+            assert_eq!(ramp, Duration::from_secs(1), "{seconds} s");
+            assert!(
+                measure >= Duration::from_secs(4),
+                "{seconds} s: {measure:?}"
+            );
+        }
+        // A short calibration still ramps a fifth of its window.
+        let Stop::Timed { ramp, measure } = Stop::sustained(Duration::from_secs(2)) else {
+            panic!("timed");
+        };
+        assert_eq!(
+            (ramp, measure),
+            (Duration::from_millis(400), Duration::from_millis(1600))
+        );
+    }
+
+    /// The defect: the figure was measured at the best step's depth, so one noisy step at depth
+    /// 8 on a shared machine set the depth of the whole figure, far below saturation.
+    #[test]
+    fn a_noisy_shallow_best_step_does_not_set_the_depth() {
+        let ladder: Vec<DepthStep> = [(8, 100.0), (16, 60.0), (32, 95.0), (64, 91.0), (128, 80.0)]
+            .into_iter()
+            .map(|(depth, iops)| DepthStep { depth, iops })
+            .collect();
+        assert_eq!(saturated_depth(&ladder), Some(64));
+        assert_eq!(saturated_depth(&[]), None);
     }
 }
