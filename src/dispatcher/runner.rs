@@ -93,6 +93,15 @@ struct InFlight {
     active: Cell<Instant>,
 }
 
+impl InFlight {
+    /// Records activity now, for the idle poll; no clock read when polling is off.
+    fn touch(&self) {
+        if !self.shared.idle_poll.is_zero() {
+            self.active.set(Instant::now());
+        }
+    }
+}
+
 /// Held by a running request: when dropped (the future ended, or was torn down), its tokens are
 /// released (capped mode) and the shard's in-flight count drops.
 pub(crate) struct Completion {
@@ -161,7 +170,7 @@ impl Drop for Completion {
                 core.completed(self.class, self.cost, self.times, now);
             }
         }
-        self.inflight.active.set(Instant::now());
+        self.inflight.touch();
         let n = self.inflight.count.get() - 1;
         self.inflight.count.set(n);
         if n == 0 {
@@ -348,7 +357,7 @@ async fn run(
         while open {
             match rx.try_recv() {
                 Ok(msg) => {
-                    inflight.active.set(Instant::now());
+                    inflight.touch();
                     handle(msg, &mut closing);
                 }
                 Err(TryRecvError::Empty) => break,
@@ -366,7 +375,7 @@ async fn run(
         }
         let now = shared.clock.now();
         let next = core.borrow_mut().poll(now, &mut |e| {
-            inflight.active.set(Instant::now());
+            inflight.touch();
             inflight.count.set(inflight.count.get() + 1);
             let done = Completion {
                 cost: e.cost,

@@ -106,16 +106,7 @@ impl Tls {
     }
 
     /// Connects with `config` and spawns the connection's task (which logs how it ended at
-    /// debug level, as `what`).
-    pub(crate) async fn connect(
-        &self,
-        config: &Config,
-        what: &'static str,
-    ) -> Result<Client, tokio_postgres::Error> {
-        self.connect_watched(config, what, None).await
-    }
-
-    /// [`connect`](Self::connect), telling `watch` the server's reason when it closes the
+    /// debug level, as `what`), telling `watch` the server's reason when it closes the
     /// session (an error or notice with SQLSTATE class `57P` or `08` that no statement
     /// received, e.g. `57P01` on an idle session or the `WARNING` an immediate shutdown
     /// sends) and, after that, that the connection's task has ended.
