@@ -751,6 +751,11 @@ fn counts(v: &[std::sync::atomic::AtomicU64]) -> Vec<u64> {
         .collect()
 }
 
+/// Every key has been granted more than it had at `then`.
+fn every_key_advanced(v: &[std::sync::atomic::AtomicU64], then: &[u64]) -> bool {
+    counts(v).iter().zip(then).all(|(now, then)| now > then)
+}
+
 /// Server stopped (fast shutdown) while batches of leases are in flight on 32 hot keys, then
 /// started again: every failing call fails with a typed error, none hangs, leasing resumes
 /// on every key after the restart, and no key is granted more than
@@ -798,10 +803,7 @@ async fn server_stopped_under_batched_load() {
     pg.start_again().unwrap();
     let at_restart = counts(&granted);
     until("every key leases again after the restart", || {
-        counts(&granted)
-            .iter()
-            .zip(&at_restart)
-            .all(|(now, then)| now > then)
+        every_key_advanced(&granted, &at_restart)
     })
     .await;
     stop.store(true, Relaxed);
@@ -919,10 +921,7 @@ async fn kill_9_of_a_process_holding_leases() {
     child.wait().unwrap();
     let at_kill = counts(&granted);
     until("the survivor leases every key after the kill", || {
-        counts(&granted)
-            .iter()
-            .zip(&at_kill)
-            .all(|(now, then)| now > then)
+        every_key_advanced(&granted, &at_kill)
     })
     .await;
     stop.store(true, Relaxed);
