@@ -751,6 +751,14 @@ fn counts(v: &[std::sync::atomic::AtomicU64]) -> Vec<u64> {
         .collect()
 }
 
+/// A new current-thread runtime with every driver (the tests drop one mid-lease).
+fn current_thread_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
 /// Every key has been granted more than it had at `then`.
 fn every_key_advanced(v: &[std::sync::atomic::AtomicU64], then: &[u64]) -> bool {
     counts(v).iter().zip(then).all(|(now, then)| now > then)
@@ -948,15 +956,9 @@ fn runtime_shut_down_mid_lease_leaves_no_batch_stuck() {
     let Some(pg) = cluster_or_skip("runtime_shut_down_mid_lease_leaves_no_batch_stuck") else {
         return;
     };
-    let runtime = || {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap()
-    };
     let clock = ManualClock::new();
     let opts = LeaseOptions::new(10, 100, 10).unwrap().with_min_lease(10);
-    let first = runtime();
+    let first = current_thread_runtime();
     let l = first.block_on(async {
         let l = leased(&pg, opts, &clock).await;
         assert!(l.try_acquire("warm", 1).await.unwrap());
@@ -968,7 +970,7 @@ fn runtime_shut_down_mid_lease_leaves_no_batch_stuck() {
         l
     });
     drop(first);
-    runtime().block_on(async {
+    current_thread_runtime().block_on(async {
         let next = tokio::time::timeout(Duration::from_secs(30), l.try_acquire("k", 1)).await;
         assert!(
             matches!(next, Ok(Ok(true))),
@@ -987,16 +989,10 @@ fn runtime_shut_down_mid_refill_leaves_the_refill_flag_free() {
     else {
         return;
     };
-    let runtime = || {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap()
-    };
     let clock = ManualClock::new();
     // Leases of 10; the low-water line is half a lease.
     let opts = LeaseOptions::new(10, 100, 10).unwrap().with_min_lease(10);
-    let first = runtime();
+    let first = current_thread_runtime();
     let l = first.block_on(async {
         let l = leased(&pg, opts, &clock).await;
         assert!(l.try_acquire("k", 1).await.unwrap()); // leased 10 (slow path), 9 left
@@ -1005,7 +1001,7 @@ fn runtime_shut_down_mid_refill_leaves_the_refill_flag_free() {
         l
     });
     drop(first);
-    runtime().block_on(async {
+    current_thread_runtime().block_on(async {
         let before = l.stats().leases;
         assert_eq!(l.local_tokens("k"), 4);
         assert!(l.try_acquire("k", 1).await.unwrap()); // fast path, 3 left: still low

@@ -618,6 +618,21 @@ mod tests {
     use super::*;
     use crate::dispatcher::{ClassConfig, DiskModel, Dispatcher, IoRequest};
 
+    /// Runs `fut` on a new current-thread runtime with a timer and no I/O driver (so nothing
+    /// but the ring's own reaper can complete it); a minute without its completion fails the
+    /// test instead of hanging it.
+    fn reaped_within_a_minute<F: Future>(fut: F) -> F::Output {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            tokio::time::timeout(Duration::from_secs(60), fut)
+                .await
+                .expect("the completion was never reaped")
+        })
+    }
+
     /// Who reaps the calling thread's ring, if it has one.
     fn reaper_here() -> Option<Reaper> {
         LOCAL.with(|l| l.borrow().0.as_ref().map(|d| d.lock().reaper))
@@ -697,16 +712,7 @@ mod tests {
                 cancel_while_in_flight(Reaper::Task).await;
             })
             .unwrap();
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_time()
-            .build()
-            .unwrap();
-        rt.block_on(async {
-            tokio::time::timeout(Duration::from_secs(60), job)
-                .await
-                .expect("the completion was never reaped")
-                .unwrap()
-        });
+        reaped_within_a_minute(job).unwrap();
     }
 
     /// A shard that stops while one of its operations is in flight hands the ring to a thread,
@@ -832,16 +838,7 @@ mod tests {
                 assert_eq!(reap_here(1), 0, "nothing left");
             })
             .unwrap();
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_time()
-            .build()
-            .unwrap();
-        rt.block_on(async {
-            tokio::time::timeout(Duration::from_secs(60), job)
-                .await
-                .expect("the completion was never reaped")
-                .unwrap()
-        });
+        reaped_within_a_minute(job).unwrap();
     }
 
     #[test]
@@ -852,18 +849,7 @@ mod tests {
         }
         // A fresh thread: its ring is new; its runtime has no I/O driver.
         std::thread::spawn(|| {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_time()
-                .build()
-                .unwrap();
-            rt.block_on(async {
-                tokio::time::timeout(
-                    Duration::from_secs(60),
-                    cancel_while_in_flight(Reaper::Thread),
-                )
-                .await
-                .expect("the completion was never reaped")
-            });
+            reaped_within_a_minute(cancel_while_in_flight(Reaper::Thread));
         })
         .join()
         .unwrap();
