@@ -107,7 +107,11 @@ async fn a_timed_out_pooled_session_is_detached() {
     assert!(matches!(err, PgLimitError::TimedOut { .. }), "{err:?}");
     assert_eq!(p.status().size, 0, "the stuck session left the pool");
     blocker.batch_execute("COMMIT").await.unwrap();
-    assert_eq!(l.request_n_at("k", 1, 100, 1, t0()).await.unwrap(), 97);
+    // The timed-out statement's outcome is unknown, as documented: the limiter asks the
+    // server to cancel it, and it either was cancelled (98 left after this call) or ran once
+    // the blocker committed (97). Never both, never neither.
+    let left = l.request_n_at("k", 1, 100, 1, t0()).await.unwrap();
+    assert!(left == 97 || left == 98, "tokens left {left}");
     assert_eq!(p.status().size, 1);
     assert_eq!(l.stats().connects, 2);
     assert!(limiter_sessions(&blocker).await <= 2);
