@@ -3,12 +3,20 @@
 //! own runtime, woken by its I/O driver through the ring's eventfd; elsewhere by a helper thread
 //! sleeping on that eventfd. The caller's future waits on a oneshot channel, so a shard's
 //! current-thread runtime never blocks.
+//!
+//! On a shard, submissions are batched: an operation's entry is queued on the ring, and a
+//! flush task on the shard's runtime hands every queued entry to the kernel with one
+//! `io_uring_enter`. Woken by the first entry queued since its last run, it runs after the
+//! tasks already scheduled, so the requests the shard dispatched in one round (each a task) go
+//! to the device together, as a program driving its own ring would submit them. Elsewhere each
+//! operation is submitted at once.
 
 use std::collections::HashMap;
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::{Mutex, OnceLock};
+use std::task::{Poll, Waker};
 
 use io_uring::{opcode, types, IoUring};
 use tokio::io::unix::AsyncFd;
@@ -165,6 +173,23 @@ struct Ring {
     /// is started before an entry is added, and a reaper gives up its role only once `pending`
     /// is empty, or hands it to a thread).
     reaper: Reaper,
+    /// The flush task's waker, once it has run (only when `reaper` is [`Reaper::Task`]).
+    flusher: Option<Waker>,
+    /// Entries are queued for the flush task and it has been woken (or not yet run): the next
+    /// deferred submission need not wake it again.
+    flush_due: bool,
+    /// `io_uring_enter` calls made to submit entries (a statistic; tests check the batching).
+    enters: u64,
+    /// Completions handed over by the last reap that found any.
+    last_batch: usize,
+}
+
+impl Ring {
+    /// Hands every queued entry to the kernel (one `io_uring_enter`).
+    fn submit(&mut self) -> io::Result<usize> {
+        self.enters += 1;
+        self.ring.submit()
+    }
 }
 
 /// Who reaps a ring's completions.
@@ -207,6 +232,10 @@ impl Driver {
                 next: 0,
                 closing: false,
                 reaper: Reaper::None,
+                flusher: None,
+                flush_due: false,
+                enters: 0,
+                last_batch: 0,
             }),
             eventfd,
         }))
@@ -268,13 +297,16 @@ impl Driver {
                 !sq.is_empty() || sq.cq_overflow()
             };
             if stalled {
-                let _ = g.ring.submit();
+                let _ = g.submit();
             }
             let Ring { ring, pending, .. } = &mut *g;
             for cqe in ring.completion() {
                 if let Some(p) = pending.remove(&cqe.user_data()) {
                     done.push((p, cqe.result()));
                 }
+            }
+            if !done.is_empty() {
+                g.last_batch = done.len();
             }
             stop(&mut g)
         };
@@ -303,7 +335,11 @@ fn start_reaper(driver: &Arc<Driver>, g: &mut Ring) -> io::Result<()> {
                     AsyncFd::register_with_interest(EventFd(driver.clone()), Interest::READABLE)
                 }?;
                 handle.spawn(reap_task(afd));
+                handle.spawn(flush_task(driver.clone()));
                 g.reaper = Reaper::Task;
+                // Until the flush task first runs (it then submits what is queued) there is no
+                // waker to call.
+                g.flush_due = true;
                 return Ok(());
             }
         }
@@ -332,6 +368,9 @@ impl Drop for TaskGuard {
         if g.reaper != Reaper::Task {
             return;
         }
+        // The flush task goes with the runtime: whoever reaps next submits what is queued.
+        g.flusher = None;
+        g.flush_due = false;
         if g.pending.is_empty() {
             g.reaper = Reaper::None;
             return;
@@ -370,6 +409,32 @@ async fn reap_task(afd: AsyncFd<EventFd>) {
     }
 }
 
+/// The flush task of a shard's ring: each time it is woken, it submits every entry queued
+/// since its last run with one `io_uring_enter`. It never ends; when the runtime drops it,
+/// entries still queued are submitted by whoever reaps next (the task reaper, or the thread the
+/// ring is handed to), which submits a non-empty queue before reaping.
+async fn flush_task(driver: Arc<Driver>) {
+    std::future::poll_fn(|cx| {
+        let mut g = driver.lock();
+        g.flush_due = false;
+        if !g.ring.submission().is_empty() {
+            if let Err(e) = g.submit() {
+                // The entries stay queued (their buffers held in `pending`); the reaper submits
+                // them on its next wake. Wake it now.
+                tracing::warn!("io_uring submit failed ({e}); the reaper retries");
+                drop(g);
+                driver.notify();
+                g = driver.lock();
+            }
+        }
+        if !g.flusher.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+            g.flusher = Some(cx.waker().clone());
+        }
+        Poll::<()>::Pending
+    })
+    .await
+}
+
 fn spawn_reaper_thread(driver: Arc<Driver>, until_idle: bool) -> io::Result<()> {
     std::thread::Builder::new()
         .name("iothrottle-uring-reaper".into())
@@ -400,13 +465,16 @@ fn reap_thread(driver: Arc<Driver>, until_idle: bool) {
     }
 }
 
-/// Hands the completions already posted on the calling thread's ring to their futures, when a
-/// task on this thread is its reaper (a dispatcher shard) and at most `max_in_flight`
-/// operations are in flight on it; returns how many are still in flight (0 off a shard). A
-/// polling shard calls it each round, so a completion reaches its future without waiting for
-/// the eventfd to go through the runtime's I/O driver (the reaper task then finds nothing
-/// left). With more in flight nothing is reaped here: the reaper task takes the completions
-/// in batches, as the eventfd wakes it.
+/// Submits the entries queued on the calling thread's ring and hands the completions already
+/// posted to their futures, when a task on this thread is its reaper (a dispatcher shard);
+/// returns how deep the ring runs: the operations still in flight, or as many as the last
+/// completion batch held if that is more (0 off a shard). A polling shard calls it each round,
+/// so a completion reaches its future without waiting for the eventfd to go through the
+/// runtime's I/O driver (the reaper task then finds nothing left). When the ring runs deeper
+/// than `max_in_flight` nothing is reaped here: the reaper task takes the completions in
+/// batches, as the eventfd wakes it. The last batch counts because a deep queue drains to
+/// nothing in flight between batches (the device completes them together), and then its
+/// next batch is still coming.
 pub(crate) fn reap_here(max_in_flight: usize) -> usize {
     let driver = match LOCAL.try_with(|l| l.borrow().0.clone()) {
         Ok(Some(d)) => d,
@@ -417,17 +485,22 @@ pub(crate) fn reap_here(max_in_flight: usize) -> usize {
         if g.reaper != Reaper::Task {
             return 0;
         }
-        if g.pending.is_empty() || g.pending.len() > max_in_flight || g.ring.completion().is_empty()
-        {
-            return g.pending.len();
+        if !g.ring.submission().is_empty() {
+            // Queued for the flush task: submitted now, so a polling shard never waits on a
+            // request it has not handed to the kernel. A failure leaves them to the flush task.
+            let _ = g.submit();
+        }
+        let depth = g.pending.len().max(g.last_batch);
+        if g.pending.is_empty() || depth > max_in_flight || g.ring.completion().is_empty() {
+            return depth;
         }
     }
-    let mut left = 0;
+    let mut depth = 0;
     driver.reap(|g| {
-        left = g.pending.len();
+        depth = g.pending.len().max(g.last_batch);
         false
     });
-    left
+    depth
 }
 
 /// The calling thread's ring, closed when the thread exits.
@@ -501,7 +574,7 @@ fn uring_submit(io: RawIo) -> Result<oneshot::Receiver<i32>, SubmitFailure> {
     // submitted, and only the reaper removes it, after the kernel posted the completion.
     if unsafe { g.ring.submission().push(&entry) }.is_err() {
         // The submission queue is full: hand its entries to the kernel, then there is room.
-        if let Err(e) = g.ring.submit() {
+        if let Err(e) = g.submit() {
             return Err((e, Some(io)));
         }
         // SAFETY: as above.
@@ -511,7 +584,21 @@ fn uring_submit(io: RawIo) -> Result<oneshot::Receiver<i32>, SubmitFailure> {
     }
     let (tx, rx) = oneshot::channel();
     g.pending.insert(id, (tx, io));
-    if let Err(e) = g.ring.submit() {
+    if g.reaper == Reaper::Task {
+        // On a shard: the flush task submits it with whatever else this round queues.
+        let wake = if g.flush_due {
+            None
+        } else {
+            g.flush_due = true;
+            g.flusher.clone()
+        };
+        drop(g);
+        if let Some(w) = wake {
+            w.wake();
+        }
+        return Ok(rx);
+    }
+    if let Err(e) = g.submit() {
         // The entry stays queued (its buffer held in `pending`); the reaper submits it on its
         // next wake. Wake it now.
         tracing::warn!("io_uring submit failed ({e}); the reaper retries");
@@ -715,6 +802,83 @@ mod tests {
         reaped_within_a_minute(job).unwrap();
     }
 
+    /// The calling thread's ring: entries queued and not yet submitted, and `io_uring_enter`
+    /// calls made so far.
+    fn ring_here() -> (usize, u64) {
+        LOCAL.with(|l| {
+            let d = l.borrow().0.clone().expect("this thread has a ring");
+            let mut g = d.lock();
+            let queued = g.ring.submission().len();
+            (queued, g.enters)
+        })
+    }
+
+    /// On a shard, the operations started in one round go to the kernel together: eight writes
+    /// into eight full pipes, each future polled once by one task, wait in the submission
+    /// queue, and the flush task submits all eight with a single `io_uring_enter`. Each then
+    /// completes with its whole page once its pipe is read.
+    #[test]
+    fn on_a_shard_one_round_of_operations_is_submitted_with_one_enter() {
+        if uring_available().is_err() {
+            eprintln!("io_uring unavailable: skipped");
+            return;
+        }
+        let page = super::super::ALIGN;
+        let mut b = Dispatcher::builder()
+            .shards(1)
+            .pin_threads(false)
+            .disk(DiskModel::new(1 << 30, 1 << 30, 100_000, 100_000));
+        let class = b.add_class(ClassConfig::new("io", 100)).unwrap();
+        let d = b.build().unwrap();
+        let job = d
+            .submit(class, IoRequest::write(4096), async move {
+                let pipes: Vec<_> = (0..8).map(|_| full_pipe()).collect();
+                let mut futs: Vec<_> = pipes
+                    .iter()
+                    .map(|(_, wr)| {
+                        let buf = AlignedBuf::from_slice(&vec![7u8; page]).unwrap();
+                        Box::pin(run(
+                            Resolved::IoUring,
+                            RawIo {
+                                kind: OpKind::Write,
+                                file: wr.clone(),
+                                buf: Some(Arc::new(buf)),
+                                start: 0,
+                                len: page,
+                                offset: 0,
+                            },
+                        ))
+                    })
+                    .collect();
+                std::future::poll_fn(|cx| {
+                    for f in futs.iter_mut() {
+                        assert!(f.as_mut().poll(cx).is_pending(), "the pipe is full");
+                    }
+                    std::task::Poll::Ready(())
+                })
+                .await;
+                assert_eq!(reaper_here(), Some(Reaper::Task));
+                let (queued, enters_before) = ring_here();
+                assert_eq!(queued, 8, "all eight wait for the flush task");
+                let mut rounds = 0;
+                while ring_here().0 > 0 {
+                    rounds += 1;
+                    assert!(rounds < 10_000, "the flush task never ran");
+                    tokio::task::yield_now().await;
+                }
+                assert_eq!(ring_here().1, enters_before + 1, "one enter for the round");
+                for ((mut rd, _), fut) in pipes.into_iter().zip(futs) {
+                    let mut got = vec![0u8; page];
+                    rd.read_exact(&mut got).unwrap();
+                    assert_eq!(fut.await.unwrap(), page);
+                    rd.read_exact(&mut got).unwrap();
+                    assert!(got.iter().all(|&b| b == 7), "the whole page was written");
+                }
+            })
+            .unwrap();
+        reaped_within_a_minute(job).unwrap();
+    }
+
     /// A shard that stops while one of its operations is in flight hands the ring to a thread,
     /// which reaps the last completion: the kernel cancels the requests of a thread that exits
     /// (`-ECANCELED`), or the write finished first; either way the buffer is released only by
@@ -785,10 +949,43 @@ mod tests {
         );
     }
 
-    /// On a shard, `reap_here` hands a posted completion to its future at once (a polling shard
-    /// calls it each round); with nothing posted, or off a shard, it reaps nothing.
+    /// Completions posted on the calling thread's ring and not yet reaped.
+    fn posted_here() -> usize {
+        LOCAL.with(|l| {
+            let d = l.borrow().0.clone().expect("this thread has a ring");
+            let mut g = d.lock();
+            let posted = g.ring.completion().len();
+            posted
+        })
+    }
+
+    /// A write of one page of `fill` into `wr`, on the io_uring backend.
+    fn page_write(wr: &Arc<File>, buf: &Arc<AlignedBuf>) -> RawIo {
+        RawIo {
+            kind: OpKind::Write,
+            file: wr.clone(),
+            buf: Some(buf.clone()),
+            start: 0,
+            len: buf.len(),
+            offset: 0,
+        }
+    }
+
+    /// Spins (without yielding to the runtime, so the reaper task cannot run) until `n`
+    /// completions are posted. The kernel posts them on this thread's next return from a
+    /// system call. Polled, not timed: the test runner's timeout catches a hang.
+    fn wait_posted(n: usize) {
+        while posted_here() < n {
+            std::thread::yield_now();
+        }
+    }
+
+    /// On a shard, `reap_here` submits what is queued and hands posted completions to their
+    /// futures at once (a polling shard calls it each round), as long as the ring runs at most
+    /// as deep as asked: in flight, or in its last completion batch. Off a shard it does
+    /// nothing.
     #[test]
-    fn on_a_shard_reap_here_hands_a_posted_completion_to_its_future() {
+    fn on_a_shard_reap_here_hands_posted_completions_to_their_futures_while_the_ring_is_shallow() {
         if uring_available().is_err() {
             eprintln!("io_uring unavailable: skipped");
             return;
@@ -804,38 +1001,66 @@ mod tests {
         let job = d
             .submit(class, IoRequest::write(4096), async {
                 let page = super::super::ALIGN;
-                let (mut rd, wr) = full_pipe();
-                let buf = Arc::new(AlignedBuf::from_slice(&vec![9u8; page]).unwrap());
-                let io = RawIo {
-                    kind: OpKind::Write,
-                    file: wr,
-                    buf: Some(buf.clone()),
-                    start: 0,
-                    len: page,
-                    offset: 0,
-                };
-                let mut fut = Box::pin(run(Resolved::IoUring, io));
+                let pipes = [full_pipe(), full_pipe()];
+                let bufs: Vec<_> = (0..2u8)
+                    .map(|i| Arc::new(AlignedBuf::from_slice(&vec![i + 8; page]).unwrap()))
+                    .collect();
+                let mut futs: Vec<_> = pipes
+                    .iter()
+                    .zip(&bufs)
+                    .map(|((_, wr), buf)| Box::pin(run(Resolved::IoUring, page_write(wr, buf))))
+                    .collect();
+                std::future::poll_fn(|cx| {
+                    for f in futs.iter_mut() {
+                        assert!(f.as_mut().poll(cx).is_pending(), "the pipe is full");
+                    }
+                    std::task::Poll::Ready(())
+                })
+                .await;
+                // Queued for the flush task, which cannot run before this task yields: the
+                // call submits them.
+                assert_eq!(ring_here().0, 2);
+                assert_eq!(reap_here(2), 2, "submitted, nothing posted yet");
+                assert_eq!(ring_here().0, 0);
+                let mut got = vec![0u8; page];
+                for (rd, _) in &pipes {
+                    (&*rd).read_exact(&mut got).unwrap();
+                }
+                wait_posted(2);
+                // Two in flight, more than allowed: left to the reaper task.
+                assert_eq!(reap_here(1), 2, "left to the reaper task");
+                assert!(bufs.iter().all(|b| Arc::strong_count(b) == 2));
+                // Allowed: both reaped, in one batch.
+                assert_eq!(
+                    reap_here(2),
+                    2,
+                    "nothing in flight, the last batch held two"
+                );
+                assert!(
+                    bufs.iter().all(|b| Arc::strong_count(b) == 1),
+                    "the table let go"
+                );
+                for (((rd, _), fut), i) in pipes.iter().zip(futs).zip(8u8..) {
+                    assert_eq!(fut.await.unwrap(), page);
+                    (&*rd).read_exact(&mut got).unwrap();
+                    assert!(got.iter().all(|&b| b == i));
+                }
+                // A deep batch keeps the ring deep until a shallow batch is reaped: a single
+                // write into the now empty first pipe completes at once.
+                let fut = run(Resolved::IoUring, page_write(&pipes[0].1, &bufs[0]));
+                let mut fut = Box::pin(fut);
                 let first =
                     std::future::poll_fn(|cx| std::task::Poll::Ready(fut.as_mut().poll(cx))).await;
-                assert!(first.is_pending(), "the pipe is full");
-                assert_eq!(reap_here(1), 1, "nothing posted yet");
-                let mut got = vec![0u8; page];
-                rd.read_exact(&mut got).unwrap();
-                // More in flight than allowed: left to the reaper task, which cannot run
-                // before this task yields.
-                std::thread::sleep(Duration::from_millis(1));
-                assert_eq!(reap_here(0), 1, "left to the reaper task");
-                assert_eq!(Arc::strong_count(&buf), 2);
-                // The kernel posts the completion on this thread's next return from a system
-                // call. Polled, not timed.
-                while reap_here(1) > 0 {
-                    std::thread::yield_now();
-                }
-                assert_eq!(Arc::strong_count(&buf), 1, "reaped: the table let go");
+                assert!(first.is_pending(), "queued for the flush task");
+                // Submitted (it may complete inside the submission), not reaped: too deep.
+                assert_eq!(reap_here(0), 2);
+                wait_posted(1);
+                assert_eq!(reap_here(1), 2, "still as deep as the last batch");
+                assert_eq!(Arc::strong_count(&bufs[0]), 2);
+                assert_eq!(reap_here(2), 1, "a batch of one");
+                assert_eq!(Arc::strong_count(&bufs[0]), 1);
                 assert_eq!(fut.await.unwrap(), page);
-                rd.read_exact(&mut got).unwrap();
-                assert!(got.iter().all(|&b| b == 9));
-                assert_eq!(reap_here(1), 0, "nothing left");
+                assert_eq!(reap_here(1), 1, "as shallow as a polling shard wants");
             })
             .unwrap();
         reaped_within_a_minute(job).unwrap();

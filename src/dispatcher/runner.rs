@@ -222,10 +222,15 @@ const PREEMPTED: Duration = Duration::from_micros(50);
 /// contended core costs the other threads CPU and the shard its wake-up priority).
 const CONTENDED_BACKOFF: Duration = Duration::from_millis(10);
 
-/// A shard polls only while at most this many io_uring operations are in flight on its ring.
-/// With more, each wake-up already serves several completions (they arrive while it wakes), and
-/// polling would only take the CPU the submitting threads need; with one, every event would
-/// cost a wake-up.
+/// A shard polls only while its ring runs at most this deep: this many io_uring operations in
+/// flight, and no more in the last batch of completions it reaped. With more, each wake-up
+/// already serves several completions (they arrive while it wakes), and polling would only take
+/// the CPU the submitting threads need; with one, every event would cost a wake-up. The last
+/// batch counts because a deep queue on a disk that completes requests together (a virtio disk
+/// completes 32 random reads in one batch) drains to nothing in flight between batches: a
+/// shard polling then takes the next batch's requests one by one as they arrive and submits
+/// them in small pieces, which measured 1.25–1.30× direct io_uring at depth 32 against
+/// 1.13–1.17× parked (`disk/read_4k`).
 const POLL_MAX_IN_FLIGHT: usize = 1;
 
 /// The calling thread's CPU time and its involuntary context switches so far (the times the
@@ -260,11 +265,11 @@ impl IdlePoll {
     /// io_uring reaper, the requests' futures), then checks the channel. Returns `true` when a
     /// message is waiting, `false` when the shard should park: the time is up, polling is off,
     /// or the thread was descheduled while polling (then it does not poll for
-    /// [`CONTENDED_BACKOFF`]; see [`PREEMPTED`]), or more than [`POLL_MAX_IN_FLIGHT`]
-    /// operations are in flight.
-    /// `reap` is called each round: it hands the completions already posted on the shard's
-    /// ring to their futures (when at most [`POLL_MAX_IN_FLIGHT`] are in flight) and returns
-    /// how many operations are still in flight. Time spent
+    /// [`CONTENDED_BACKOFF`]; see [`PREEMPTED`]), or the ring runs deeper than
+    /// [`POLL_MAX_IN_FLIGHT`].
+    /// `reap` is called each round: it submits what is queued on the shard's ring, hands the
+    /// completions already posted to their futures (when the ring runs at most
+    /// [`POLL_MAX_IN_FLIGHT`] deep) and returns how deep it runs. Time spent
     /// running the woken futures does not count as descheduled: only wall-clock time the
     /// thread spent off its CPU does.
     async fn poll(
