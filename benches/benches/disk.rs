@@ -53,6 +53,7 @@ use io_uring::{opcode, types, IoUring};
 use iothrottle::disk::{AlignedBuf, Backend, FileOptions, ThrottledFile, ALIGN};
 use iothrottle::dispatcher::{ClassConfig, ClassId, DiskModel, Dispatcher, IoRequest};
 use iothrottle::Rate;
+use tokio::task::JoinSet;
 
 const FILE: u64 = 64 << 20;
 
@@ -112,6 +113,28 @@ fn direct(
     start.elapsed()
 }
 
+/// Starts a task for each offset with `spawn` (given a buffer and the offset), keeping `depth`
+/// of them running: each new one gets the buffer the last one to finish returned.
+async fn keep_deep(
+    depth: usize,
+    offsets: &[u64],
+    mut spawn: impl FnMut(&mut JoinSet<AlignedBuf>, AlignedBuf, u64),
+) {
+    let mut set = JoinSet::new();
+    let mut next = 0;
+    while next < depth.min(offsets.len()) {
+        spawn(&mut set, AlignedBuf::zeroed(ALIGN).unwrap(), offsets[next]);
+        next += 1;
+    }
+    while let Some(buf) = set.join_next().await {
+        let buf = buf.unwrap();
+        if next < offsets.len() {
+            spawn(&mut set, buf, offsets[next]);
+            next += 1;
+        }
+    }
+}
+
 /// `iters` reads kept `depth` deep through the dispatcher.
 fn throttled(
     rt: &tokio::runtime::Runtime,
@@ -122,29 +145,14 @@ fn throttled(
 ) -> Duration {
     let offsets: Vec<u64> = (0..iters).map(|_| rng.offset()).collect();
     let start = Instant::now();
-    rt.block_on(async {
-        let mut set = tokio::task::JoinSet::new();
-        let mut next = 0usize;
-        let spawn = |set: &mut tokio::task::JoinSet<AlignedBuf>, buf: AlignedBuf, off: u64| {
-            let f = file.clone();
-            set.spawn(async move {
-                let (buf, n) = f.read_at(buf, off).await.unwrap();
-                assert_eq!(n, ALIGN);
-                buf
-            });
-        };
-        while next < depth.min(offsets.len()) {
-            spawn(&mut set, AlignedBuf::zeroed(ALIGN).unwrap(), offsets[next]);
-            next += 1;
-        }
-        while let Some(buf) = set.join_next().await {
-            let buf = buf.unwrap();
-            if next < offsets.len() {
-                spawn(&mut set, buf, offsets[next]);
-                next += 1;
-            }
-        }
-    });
+    rt.block_on(keep_deep(depth, &offsets, |set, buf, off| {
+        let f = file.clone();
+        set.spawn(async move {
+            let (buf, n) = f.read_at(buf, off).await.unwrap();
+            assert_eq!(n, ALIGN);
+            buf
+        });
+    }));
     start.elapsed()
 }
 
@@ -239,29 +247,16 @@ fn floor(
 ) -> Duration {
     let offsets: Vec<u64> = (0..iters).map(|_| rng.offset()).collect();
     let start = Instant::now();
-    rt.block_on(async {
-        let mut set = tokio::task::JoinSet::new();
-        let spawn = |set: &mut tokio::task::JoinSet<()>, off: u64| {
-            let tx = tx.clone();
-            set.spawn(async move {
-                let (done, wait) = tokio::sync::oneshot::channel();
-                tx.send((off, done)).unwrap();
-                assert_eq!(wait.await.unwrap(), ALIGN as i32);
-            });
-        };
-        let mut next = 0;
-        while next < depth.min(offsets.len()) {
-            spawn(&mut set, offsets[next]);
-            next += 1;
-        }
-        while let Some(r) = set.join_next().await {
-            r.unwrap();
-            if next < offsets.len() {
-                spawn(&mut set, offsets[next]);
-                next += 1;
-            }
-        }
-    });
+    rt.block_on(keep_deep(depth, &offsets, |set, buf, off| {
+        let tx = tx.clone();
+        set.spawn(async move {
+            let (done, wait) = tokio::sync::oneshot::channel();
+            tx.send((off, done)).unwrap();
+            assert_eq!(wait.await.unwrap(), ALIGN as i32);
+            // The thread reads into its own buffers: this one only keeps the helper's shape.
+            buf
+        });
+    }));
     start.elapsed()
 }
 
@@ -282,27 +277,15 @@ fn on_shard(
     let job = d
         .submit(class, IoRequest::tokens(1), async move {
             let start = Instant::now();
-            let mut set = tokio::task::JoinSet::new();
-            let spawn = |set: &mut tokio::task::JoinSet<AlignedBuf>, buf: AlignedBuf, off: u64| {
+            keep_deep(depth, &offsets, |set, buf, off| {
                 let f = f.clone();
                 set.spawn_local(async move {
                     let (buf, n) = f.read_at(buf, off).await.unwrap();
                     assert_eq!(n, ALIGN);
                     buf
                 });
-            };
-            let mut next = 0;
-            while next < depth.min(offsets.len()) {
-                spawn(&mut set, AlignedBuf::zeroed(ALIGN).unwrap(), offsets[next]);
-                next += 1;
-            }
-            while let Some(buf) = set.join_next().await {
-                let buf = buf.unwrap();
-                if next < offsets.len() {
-                    spawn(&mut set, buf, offsets[next]);
-                    next += 1;
-                }
-            }
+            })
+            .await;
             start.elapsed()
         })
         .unwrap();

@@ -813,6 +813,33 @@ mod tests {
         })
     }
 
+    /// A write of `buf` (whole) into `wr`.
+    fn page_write(wr: &Arc<File>, buf: &Arc<AlignedBuf>) -> RawIo {
+        RawIo {
+            kind: OpKind::Write,
+            file: wr.clone(),
+            buf: Some(buf.clone()),
+            start: 0,
+            len: buf.len(),
+            offset: 0,
+        }
+    }
+
+    /// Polls each of `futs` once, from the calling task, and checks that none is done (each
+    /// write waits for room in a full pipe, or for the flush task).
+    async fn poll_pending_once<F: Future + Unpin>(futs: &mut [F]) {
+        std::future::poll_fn(|cx| {
+            for f in futs.iter_mut() {
+                assert!(
+                    std::pin::Pin::new(&mut *f).poll(cx).is_pending(),
+                    "the pipe is full"
+                );
+            }
+            std::task::Poll::Ready(())
+        })
+        .await
+    }
+
     /// On a shard, the operations started in one round go to the kernel together: eight writes
     /// into eight full pipes, each future polled once by one task, wait in the submission
     /// queue, and the flush task submits all eight with a single `io_uring_enter`. Each then
@@ -836,27 +863,11 @@ mod tests {
                 let mut futs: Vec<_> = pipes
                     .iter()
                     .map(|(_, wr)| {
-                        let buf = AlignedBuf::from_slice(&vec![7u8; page]).unwrap();
-                        Box::pin(run(
-                            Resolved::IoUring,
-                            RawIo {
-                                kind: OpKind::Write,
-                                file: wr.clone(),
-                                buf: Some(Arc::new(buf)),
-                                start: 0,
-                                len: page,
-                                offset: 0,
-                            },
-                        ))
+                        let buf = Arc::new(AlignedBuf::from_slice(&vec![7u8; page]).unwrap());
+                        Box::pin(run(Resolved::IoUring, page_write(wr, &buf)))
                     })
                     .collect();
-                std::future::poll_fn(|cx| {
-                    for f in futs.iter_mut() {
-                        assert!(f.as_mut().poll(cx).is_pending(), "the pipe is full");
-                    }
-                    std::task::Poll::Ready(())
-                })
-                .await;
+                poll_pending_once(&mut futs).await;
                 assert_eq!(reaper_here(), Some(Reaper::Task));
                 let (queued, enters_before) = ring_here();
                 assert_eq!(queued, 8, "all eight wait for the flush task");
@@ -959,18 +970,6 @@ mod tests {
         })
     }
 
-    /// A write of one page of `fill` into `wr`, on the io_uring backend.
-    fn page_write(wr: &Arc<File>, buf: &Arc<AlignedBuf>) -> RawIo {
-        RawIo {
-            kind: OpKind::Write,
-            file: wr.clone(),
-            buf: Some(buf.clone()),
-            start: 0,
-            len: buf.len(),
-            offset: 0,
-        }
-    }
-
     /// Spins (without yielding to the runtime, so the reaper task cannot run) until `n`
     /// completions are posted. The kernel posts them on this thread's next return from a
     /// system call. Polled, not timed: the test runner's timeout catches a hang.
@@ -1010,13 +1009,7 @@ mod tests {
                     .zip(&bufs)
                     .map(|((_, wr), buf)| Box::pin(run(Resolved::IoUring, page_write(wr, buf))))
                     .collect();
-                std::future::poll_fn(|cx| {
-                    for f in futs.iter_mut() {
-                        assert!(f.as_mut().poll(cx).is_pending(), "the pipe is full");
-                    }
-                    std::task::Poll::Ready(())
-                })
-                .await;
+                poll_pending_once(&mut futs).await;
                 // Queued for the flush task, which cannot run before this task yields: the
                 // call submits them.
                 assert_eq!(ring_here().0, 2);
