@@ -174,8 +174,12 @@ async fn server_stopped_under_load_errors_say_why() {
         .any(|w| e.to_lowercase().contains(&w.to_lowercase()));
         assert!(says_why, "{e}");
     }
+    // A call in flight lost its session and says which shutdown the server gave as the reason:
+    // 57P01 (its backend terminated) or 57P03 (shutting down); one CI dry run saw only 57P03.
     assert!(
-        all.iter().any(|e| e.contains("57P01")),
+        all.iter()
+            .any(|e| e.starts_with("connection to PostgreSQL lost")
+                && (e.contains("57P01") || e.contains("57P03"))),
         "a call in flight saw the shutdown: {all:#?}"
     );
 }
