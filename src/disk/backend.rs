@@ -720,6 +720,17 @@ mod tests {
         })
     }
 
+    /// A dispatcher with one unpinned shard and one class, on a fast modelled disk: the tests
+    /// run their I/O inside a request on that shard.
+    fn one_shard() -> (Dispatcher, crate::dispatcher::ClassId) {
+        let mut b = Dispatcher::builder()
+            .shards(1)
+            .pin_threads(false)
+            .disk(DiskModel::new(1 << 30, 1 << 30, 100_000, 100_000));
+        let class = b.add_class(ClassConfig::new("io", 100)).unwrap();
+        (b.build().unwrap(), class)
+    }
+
     /// Who reaps the calling thread's ring, if it has one.
     fn reaper_here() -> Option<Reaper> {
         LOCAL.with(|l| l.borrow().0.as_ref().map(|d| d.lock().reaper))
@@ -786,12 +797,7 @@ mod tests {
             eprintln!("io_uring unavailable: skipped");
             return;
         }
-        let mut b = Dispatcher::builder()
-            .shards(1)
-            .pin_threads(false)
-            .disk(DiskModel::new(1 << 30, 1 << 30, 100_000, 100_000));
-        let class = b.add_class(ClassConfig::new("io", 100)).unwrap();
-        let d = b.build().unwrap();
+        let (d, class) = one_shard();
         let job = d
             .submit(class, IoRequest::write(4096), async {
                 cancel_while_in_flight(Reaper::Task).await;
@@ -851,12 +857,7 @@ mod tests {
             return;
         }
         let page = super::super::ALIGN;
-        let mut b = Dispatcher::builder()
-            .shards(1)
-            .pin_threads(false)
-            .disk(DiskModel::new(1 << 30, 1 << 30, 100_000, 100_000));
-        let class = b.add_class(ClassConfig::new("io", 100)).unwrap();
-        let d = b.build().unwrap();
+        let (d, class) = one_shard();
         let job = d
             .submit(class, IoRequest::write(4096), async move {
                 let pipes: Vec<_> = (0..8).map(|_| full_pipe()).collect();
@@ -903,12 +904,7 @@ mod tests {
         let page = super::super::ALIGN;
         let (mut rd, wr) = full_pipe();
         let buf = Arc::new(AlignedBuf::from_slice(&vec![9u8; page]).unwrap());
-        let mut b = Dispatcher::builder()
-            .shards(1)
-            .pin_threads(false)
-            .disk(DiskModel::new(1 << 30, 1 << 30, 100_000, 100_000));
-        let class = b.add_class(ClassConfig::new("io", 100)).unwrap();
-        let d = b.build().unwrap();
+        let (d, class) = one_shard();
         let held = buf.clone();
         let job = d
             .submit(class, IoRequest::write(4096), async move {
@@ -991,12 +987,7 @@ mod tests {
         }
         // Off a shard: the ring (if any) is a reaper thread's.
         assert_eq!(reap_here(1), 0);
-        let mut b = Dispatcher::builder()
-            .shards(1)
-            .pin_threads(false)
-            .disk(DiskModel::new(1 << 30, 1 << 30, 100_000, 100_000));
-        let class = b.add_class(ClassConfig::new("io", 100)).unwrap();
-        let d = b.build().unwrap();
+        let (d, class) = one_shard();
         let job = d
             .submit(class, IoRequest::write(4096), async {
                 let page = super::super::ALIGN;
