@@ -135,7 +135,9 @@ async fn keep_deep(
     }
 }
 
-/// `iters` reads kept `depth` deep through the dispatcher.
+/// `iters` reads kept `depth` deep through the dispatcher. On a multi-thread runtime the reads'
+/// tasks and the loop that starts them run on its workers (a task of their own), as a server's
+/// request handlers do; on a current-thread runtime, on the benchmark thread.
 fn throttled(
     rt: &tokio::runtime::Runtime,
     file: &Arc<ThrottledFile>,
@@ -145,14 +147,22 @@ fn throttled(
 ) -> Duration {
     let offsets: Vec<u64> = (0..iters).map(|_| rng.offset()).collect();
     let start = Instant::now();
-    rt.block_on(keep_deep(depth, &offsets, |set, buf, off| {
-        let f = file.clone();
-        set.spawn(async move {
-            let (buf, n) = f.read_at(buf, off).await.unwrap();
-            assert_eq!(n, ALIGN);
-            buf
-        });
-    }));
+    let file = file.clone();
+    let reads = async move {
+        keep_deep(depth, &offsets, |set, buf, off| {
+            let f = file.clone();
+            set.spawn(async move {
+                let (buf, n) = f.read_at(buf, off).await.unwrap();
+                assert_eq!(n, ALIGN);
+                buf
+            });
+        })
+        .await
+    };
+    match rt.handle().runtime_flavor() {
+        tokio::runtime::RuntimeFlavor::CurrentThread => rt.block_on(reads),
+        _ => rt.block_on(rt.spawn(reads)).unwrap(),
+    }
     start.elapsed()
 }
 
@@ -329,6 +339,13 @@ pub fn disk(c: &mut Criterion) {
         .build()
         .unwrap();
     let mut rng = Rng(0x1234_5678_9abc_def1);
+    // The caller's tasks on a multi-thread runtime (one worker: the machine has two cores and
+    // the shard needs one).
+    let mt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
 
     if wants_ratios() {
         // A second ring and buffers for the deep case, so both direct cases live at once.
@@ -337,6 +354,7 @@ pub fn disk(c: &mut Criterion) {
             .map(|_| AlignedBuf::zeroed(ALIGN).unwrap())
             .collect();
         let (floor_tx, floor_thread) = spawn_floor(raw.as_raw_fd());
+
         let mut cases: Vec<(&str, usize, Case<'_>)> = Vec::new();
         let (direct_1, direct_32) = (RefCell::new(&mut ring), RefCell::new(&mut deep_ring));
         let (bufs_1, bufs_32) = (RefCell::new(&mut bufs), RefCell::new(&mut deep_bufs));
@@ -347,8 +365,8 @@ pub fn disk(c: &mut Criterion) {
                 (&direct_32, &bufs_32)
             };
             let fd = raw.as_raw_fd();
-            let (rt, file, parked, dispatcher, floor_tx) =
-                (&rt, &file, &parked, &dispatcher, &floor_tx);
+            let (rt, mt, file, parked, dispatcher, floor_tx) =
+                (&rt, &mt, &file, &parked, &dispatcher, &floor_tx);
             cases.push((
                 "direct_io_uring",
                 depth,
@@ -372,6 +390,11 @@ pub fn disk(c: &mut Criterion) {
                 "throttled_file",
                 depth,
                 Box::new(move |n, rng| throttled(rt, file, depth, n, rng)),
+            ));
+            cases.push((
+                "throttled_file_mt_caller",
+                depth,
+                Box::new(move |n, rng| throttled(mt, file, depth, n, rng)),
             ));
             cases.push((
                 "throttled_file_parked",
@@ -406,6 +429,9 @@ pub fn disk(c: &mut Criterion) {
         });
         g.bench_function(BenchmarkId::new("throttled_file", depth), |bch| {
             bch.iter_custom(|iters| throttled(&rt, &file, depth, iters, &mut rng))
+        });
+        g.bench_function(BenchmarkId::new("throttled_file_mt_caller", depth), |bch| {
+            bch.iter_custom(|iters| throttled(&mt, &file, depth, iters, &mut rng))
         });
         g.bench_function(BenchmarkId::new("throttled_file_parked", depth), |bch| {
             bch.iter_custom(|iters| throttled(&rt, &parked, depth, iters, &mut rng))
