@@ -202,11 +202,9 @@ impl ThrottledFile {
     }
 
     /// The pieces of a `len`-byte transfer: `(start, len)`, each at most `max_piece`.
-    fn pieces(&self, len: usize) -> Vec<(usize, usize)> {
-        (0..len)
-            .step_by(self.max_piece)
-            .map(|s| (s, self.max_piece.min(len - s)))
-            .collect()
+    fn pieces(&self, len: usize) -> impl Iterator<Item = (usize, usize)> + Clone {
+        let max = self.max_piece;
+        (0..len).step_by(max).map(move |s| (s, max.min(len - s)))
     }
 
     fn io_error(&self, op: &'static str, offset: u64, len: usize, source: io::Error) -> DiskError {
@@ -254,7 +252,7 @@ impl ThrottledFile {
         let pieces = self.pieces(len);
         // Every piece must fit a request before the first is submitted: a refusal half-way
         // would leave a write half-done.
-        for &(_, plen) in &pieces {
+        for (_, plen) in pieces.clone() {
             let req = request(plen as u64);
             let cost = self.dispatcher.cost(&req);
             if cost > self.dispatcher.max_cost() {
@@ -282,8 +280,9 @@ impl ThrottledFile {
                 .map_err(|e| self.io_error("reserve (fallocate)", offset, len, e))?;
         }
         let shared = Arc::new(buf);
-        let mut handles: Vec<IoHandle<io::Result<usize>>> = Vec::with_capacity(pieces.len());
-        for &(start, plen) in &pieces {
+        let mut handles: Vec<IoHandle<io::Result<usize>>> =
+            Vec::with_capacity(len.div_ceil(self.max_piece));
+        for (start, plen) in pieces.clone() {
             let io = RawIo {
                 kind: opkind,
                 file: self.file.clone(),
@@ -292,12 +291,9 @@ impl ThrottledFile {
                 len: plen,
                 offset: offset + start as u64,
             };
-            let backend = self.backend;
-            let handle = self.dispatcher.submit(
-                self.class,
-                request(plen as u64),
-                backend::run(backend, io),
-            )?;
+            let (task, handle) = backend::io_task(self.backend, io);
+            self.dispatcher
+                .submit_task(self.class, request(plen as u64), task)?;
             handles.push(handle);
         }
         // Wait for every piece, even after a failure, so that no piece is still in flight
@@ -305,7 +301,7 @@ impl ThrottledFile {
         let mut done = 0usize;
         let mut contiguous = true;
         let mut first_err = None;
-        for (handle, &(start, plen)) in handles.into_iter().zip(&pieces) {
+        for (handle, (start, plen)) in handles.into_iter().zip(pieces) {
             match handle.await {
                 Ok(Ok(n)) => {
                     if contiguous {

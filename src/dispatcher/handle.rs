@@ -71,9 +71,28 @@ pin_project! {
     }
 }
 
+/// Where a request's result goes: its [`IoHandle`] receives it.
+pub(crate) type ResultTx<T> = oneshot::Sender<Result<T, DispatchError>>;
+
 struct TaskImpl<F: Future> {
     fut: Guarded<F>,
-    tx: oneshot::Sender<Result<F::Output, DispatchError>>,
+    tx: ResultTx<F::Output>,
+}
+
+/// A handle and the sender of its result, for a [`Task`] that delivers the result itself.
+pub(crate) fn channel<T>() -> (ResultTx<T>, IoHandle<T>) {
+    let (tx, rx) = oneshot::channel();
+    (tx, IoHandle { rx })
+}
+
+/// A task that runs `fut` on the shard and sends its output to `tx`.
+pub(crate) fn boxed<F>(fut: F, tx: ResultTx<F::Output>) -> BoxTask
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    let fut = Guarded { fut: Some(fut) };
+    Box::new(TaskImpl { fut, tx })
 }
 
 /// A task for `fut` and the handle to its result.
@@ -82,9 +101,8 @@ where
     F: Future + Send + 'static,
     F::Output: Send + 'static,
 {
-    let (tx, rx) = oneshot::channel();
-    let fut = Guarded { fut: Some(fut) };
-    (Box::new(TaskImpl { fut, tx }), IoHandle { rx })
+    let (tx, handle) = channel();
+    (boxed(fut, tx), handle)
 }
 
 impl<F> Task for TaskImpl<F>

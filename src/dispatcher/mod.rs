@@ -56,7 +56,8 @@ mod handle;
 mod latency;
 mod queue;
 mod runner;
-pub(crate) use runner::on_any_shard;
+pub(crate) use handle::{boxed as boxed_task, channel as result_channel, BoxTask, ResultTx, Task};
+pub(crate) use runner::{on_any_shard, Completion};
 mod shard;
 mod stats;
 mod timer;
@@ -920,14 +921,35 @@ impl Dispatcher {
         F: Future + Send + 'static,
         F::Output: Send + 'static,
     {
+        let (task, handle) = handle::task(fut);
+        self.submit_task_to(shard, class, request, task)?;
+        Ok(handle)
+    }
+
+    /// [`submit`](Self::submit) of a task that delivers its own result (the disk module's
+    /// operations, which need no future on the shard).
+    pub(crate) fn submit_task(
+        &self,
+        class: ClassId,
+        request: IoRequest,
+        task: BoxTask,
+    ) -> Result<(), SubmitError> {
+        self.submit_task_to(self.pick_shard(), class, request, task)
+    }
+
+    fn submit_task_to(
+        &self,
+        shard: usize,
+        class: ClassId,
+        request: IoRequest,
+        task: BoxTask,
+    ) -> Result<(), SubmitError> {
         self.check(shard, class)?;
         let cost = self.shared.disk.cost(&request);
         if cost > self.shared.max_cost {
             return Err(self.too_large(&request, cost));
         }
-        let (task, handle) = handle::task(fut);
-        self.send(shard, class, cost, request.bytes(), task)?;
-        Ok(handle)
+        self.send(shard, class, cost, request.bytes(), task)
     }
 
     /// Submits a request that may be split: `make` is called once per piece (in order, at
