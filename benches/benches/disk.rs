@@ -17,7 +17,12 @@
 //!   reactor and wakes the caller's task. Two threads: the caller's and the shard's, with the
 //!   shard's default [idle poll] (it polls for 200 µs after its last activity instead of
 //!   parking).
-//! - `throttled_file_parked`: the same with `idle_poll(Duration::ZERO)`: the shard
+//! - `throttled_file_mt_caller`: the same reads, their tasks (and the loop that starts them)
+//!   on a multi-thread runtime with one worker. tokio's current-thread scheduler unparks its
+//!   driver (an eventfd write) on every wake from another thread, so the shard pays one system
+//!   call per completed read for a current-thread caller; the multi-thread scheduler wakes a
+//!   worker only when none is awake.
+//! - `throttled_file_parked`: the same as `throttled_file` with `idle_poll(Duration::ZERO)`: the shard
 //!   parks as soon as it is idle, so the request and the completion each pay a thread wake-up.
 //! - `busy_poll_thread` (in `disk/ratios` only): no dispatcher, the design a user might write
 //!   by hand: a thread that busy-polls for requests and for its ring's completions, handed each
