@@ -79,16 +79,17 @@ pub struct Calibration {
 
 /// Measures the disk under `dir` and returns its io-properties: random reads and writes of
 /// [`random_size`](CalibrateOptions::random_size) at increasing queue depths until the IOPS
-/// stop growing (two depths in a row add less than 5%, going at least to depth 32), then sequential reads and writes of
-/// [`sequential_size`](CalibrateOptions::sequential_size). All I/O is O_DIRECT on a scratch file
+/// stop growing (two depths in a row add less than 5%, going at least to depth 32), then
+/// sequential reads and writes of [`sequential_size`](CalibrateOptions::sequential_size). All
+/// I/O is O_DIRECT on a scratch file
 /// of [`file_size`](CalibrateOptions::file_size) that is reserved (`fallocate`), written once,
 /// measured with time-based runs, and removed; every phase that writes is flushed
 /// (`fdatasync`, outside the figures) before the next one starts and before calibration returns,
-/// so that no figure is measured during the write-back of an earlier phase. Each figure is a
-/// sustained one, as fio measures it: a ramp of up to one second is discarded (a virtio disk's host cache absorbs the
-/// first second of random writes at up to twice the rate it sustains), then the rest of the
-/// figure's share of [`seconds`](CalibrateOptions::seconds) is measured. One thread keeps the
-/// queue depth with io_uring.
+/// so that no figure starts with an earlier phase's writes unflushed. Each figure is a sustained
+/// one, as fio measures it: a ramp of up to one second is discarded (a virtio disk's host cache
+/// absorbs the first second of random writes at up to twice the rate it sustains), then the rest
+/// of the figure's share of [`seconds`](CalibrateOptions::seconds) is measured (at the default
+/// 30 s, at least 5 s for each figure). One thread keeps the queue depth with io_uring.
 ///
 /// Errors: a memory file system ([`DiskError::NotADisk`]), no O_DIRECT, a full disk
 /// ([`DiskError::NoSpace`] before anything is written), io_uring unavailable, bad options.
@@ -292,8 +293,9 @@ enum Op {
 enum Phase {
     /// Write the scratch file once (timed as [`Calibration::fill`], not a figure).
     Fill,
-    /// `fdatasync`: the device's volatile write cache (a virtio disk's host page cache) writes
-    /// back everything written so far, before the next phase starts. Not part of any figure.
+    /// `fdatasync`: the device is asked to make everything written so far durable (its volatile
+    /// write cache, a virtio disk's host page cache, flushed) before the next phase starts. Not
+    /// part of any figure.
     Flush,
     /// A queue-depth ladder of random requests, then the sustained IOPS figure.
     Random(Op),

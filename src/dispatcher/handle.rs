@@ -23,8 +23,10 @@ pub(crate) trait Task: Send {
     fn is_cancelled(&self) -> bool;
     /// The request will not run: the handle gets `err`.
     fn fail(self: Box<Self>, err: DispatchError);
-    /// Runs the future on the current shard (a `LocalSet`); `done` is dropped when it ends
-    /// (completes, panics, or is torn down with the runtime), which releases its tokens.
+    /// Starts the request on the current shard: a future runs as a task on its `LocalSet`; an
+    /// operation the disk module submits itself goes on the shard's ring. `done` is dropped
+    /// when the request ends (completes, panics, or is torn down with the runtime), which
+    /// releases its tokens; never inside this call, which runs within the shard's dispatch.
     fn spawn_local(self: Box<Self>, done: Completion);
 }
 
