@@ -26,7 +26,9 @@ pub(crate) trait Task: Send {
     /// Starts the request on the current shard: a future runs as a task on its `LocalSet`; an
     /// operation the disk module submits itself goes on the shard's ring. `done` is dropped
     /// when the request ends (completes, panics, or is torn down with the runtime), which
-    /// releases its tokens; never inside this call, which runs within the shard's dispatch.
+    /// releases its tokens; not inside this call, which runs within the shard's dispatch (the
+    /// one exception: a thread already destroying its thread-locals, where the disk module's
+    /// table is gone and the operation's `done` drops at once).
     fn spawn_local(self: Box<Self>, done: Completion);
 }
 
