@@ -371,6 +371,15 @@ pub enum BuildError {
         /// What the OS or tokio said.
         source: std::io::Error,
     },
+    /// A shard's [start hook](crate::dispatcher::DispatcherBuilder::on_shard_start) returned
+    /// an error or panicked.
+    #[error("the start hook of shard {shard} failed: {source}")]
+    ShardStart {
+        /// The shard's index.
+        shard: usize,
+        /// The hook's error (a panic's message as [`std::io::ErrorKind::Other`]).
+        source: std::io::Error,
+    },
 }
 
 /// A [`Dispatcher::shutdown_timeout`](crate::dispatcher::Dispatcher::shutdown_timeout) that

@@ -1,3 +1,4 @@
+#![cfg(feature = "rt")] // the tokio layers; the bucket alone is tested without them
 //! The dispatcher with real shard threads: the submit API, errors, shutdown, and token shares.
 //!
 //! These run in real time, so they assert on *shares of tokens* and on outcomes, never on
@@ -987,4 +988,151 @@ fn stats_report_service_time_and_end_to_end_latency() {
     assert!(c.latency_p50() >= c.service_p50().mul_f64(0.99));
     assert!(c.latency_max() >= c.queue_wait_max());
     d.shutdown();
+}
+
+thread_local! {
+    /// Set by the start hooks below: the shard index the hook was given on this thread.
+    static HOOKED: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+}
+
+#[test]
+fn start_hook_runs_once_on_each_shard_thread_before_its_requests() {
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let s = seen.clone();
+    let mut b = Dispatcher::builder()
+        .disk(NVME)
+        .shards(3)
+        .pin_threads(false)
+        .on_shard_start(move |shard| {
+            HOOKED.with(|h| h.set(Some(shard)));
+            let name = std::thread::current().name().map(str::to_owned);
+            s.lock().unwrap().push((shard, name));
+            Ok(())
+        });
+    let c = b.add_class(ClassConfig::new("c", 1)).unwrap();
+    let d = b.build().unwrap();
+    // `build` waited for every hook: all three ran, once each, on their own shard's thread.
+    let mut seen = seen.lock().unwrap().clone();
+    seen.sort();
+    let want: Vec<_> = (0..3)
+        .map(|i| (i, Some(format!("iothrottle-shard-{i}"))))
+        .collect();
+    assert_eq!(seen, want);
+    let rt = rt();
+    for shard in 0..3 {
+        let h = d
+            .submit_to(shard, c, IoRequest::read(4096), async {
+                HOOKED.with(|h| h.get())
+            })
+            .unwrap();
+        assert_eq!(
+            rt.block_on(h),
+            Ok(Some(shard)),
+            "the hook's thread runs shard {shard}"
+        );
+    }
+}
+
+/// Counts the shard threads that ended (a thread-local's destructor runs as its thread ends).
+struct Ended(Arc<AtomicU64>);
+
+impl Drop for Ended {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+thread_local! {
+    static ENDED: std::cell::RefCell<Option<Ended>> = const { std::cell::RefCell::new(None) };
+}
+
+/// A dispatcher of 4 shards whose hook does `fail` on shard 2; returns the build's error and
+/// how many hooks ran and how many shard threads had ended once `build` returned.
+fn failing_start(fail: fn() -> std::io::Result<()>) -> (BuildError, u64, u64) {
+    let (ran, ended) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let (r, e) = (ran.clone(), ended.clone());
+    let mut b = Dispatcher::builder()
+        .disk(NVME)
+        .shards(4)
+        .pin_threads(false)
+        .on_shard_start(move |shard| {
+            r.fetch_add(1, Ordering::SeqCst);
+            ENDED.with(|slot| *slot.borrow_mut() = Some(Ended(e.clone())));
+            if shard == 2 {
+                fail()
+            } else {
+                Ok(())
+            }
+        });
+    b.add_class(ClassConfig::new("c", 1)).unwrap();
+    let err = b.build().expect_err("shard 2's hook fails");
+    (
+        err,
+        ran.load(Ordering::SeqCst),
+        ended.load(Ordering::SeqCst),
+    )
+}
+
+#[test]
+fn a_failing_start_hook_fails_the_build_and_stops_the_started_shards() {
+    let (err, ran, ended) = failing_start(|| {
+        Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            "no SCHED_FIFO for you",
+        ))
+    });
+    match &err {
+        BuildError::ShardStart { shard: 2, source } => {
+            assert_eq!(source.kind(), std::io::ErrorKind::PermissionDenied);
+            assert!(source.to_string().contains("no SCHED_FIFO"));
+        }
+        other => panic!("expected ShardStart for shard 2, got {other:?}"),
+    }
+    assert!(err.to_string().contains("shard 2"), "{err}");
+    // Shard 3 was never started; shards 0–2 ran their hooks and were joined by the drop.
+    assert_eq!((ran, ended), (3, 3));
+}
+
+#[test]
+fn a_panicking_start_hook_is_an_error_not_a_panic() {
+    let (err, ran, ended) = failing_start(|| panic!("hook exploded"));
+    match &err {
+        BuildError::ShardStart { shard: 2, source } => {
+            assert!(source.to_string().contains("hook exploded"), "{source}");
+        }
+        other => panic!("expected ShardStart for shard 2, got {other:?}"),
+    }
+    assert_eq!((ran, ended), (3, 3));
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn start_hook_sets_the_shards_scheduling_policy() {
+    let mut b = Dispatcher::builder()
+        .disk(NVME)
+        .shards(2)
+        .pin_threads(false)
+        .on_shard_start(|_| {
+            let param = libc::sched_param { sched_priority: 0 };
+            // SAFETY: the calling thread's policy, from a live `sched_param`.
+            match unsafe { libc::sched_setscheduler(0, libc::SCHED_BATCH, &param) } {
+                0 => Ok(()),
+                _ => Err(std::io::Error::last_os_error()),
+            }
+        });
+    let c = b.add_class(ClassConfig::new("c", 1)).unwrap();
+    let d = b.build().unwrap();
+    let rt = rt();
+    for shard in 0..2 {
+        // SAFETY: no arguments but the calling thread (0).
+        let h = d
+            .submit_to(shard, c, IoRequest::read(4096), async {
+                unsafe { libc::sched_getscheduler(0) }
+            })
+            .unwrap();
+        assert_eq!(rt.block_on(h), Ok(libc::SCHED_BATCH));
+    }
+    // The builder's thread keeps its own policy.
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::sched_getscheduler(0) }, libc::SCHED_OTHER);
 }

@@ -11,6 +11,12 @@
 //! - `direct_io_uring`: the baseline, the cheapest way to issue the reads: the benchmark thread
 //!   pushes them on its own ring and sleeps in `io_uring_enter` (`submit_and_wait`) for the
 //!   completions. One thread, no runtime, no wake-up but the kernel's.
+//! - `uring_relay_thread` (in `disk/ratios` only): no dispatcher and no busy polling: the
+//!   simplest thread a user might write to do the reads for callers on another thread. It sleeps
+//!   in `io_uring_enter` until a read completes or a caller wakes it (an eventfd whose read is
+//!   always pending on the ring, written only when the thread said it sleeps), submits every
+//!   request queued with one system call, and answers through oneshot channels. Its ratio to
+//!   `direct_io_uring` is what crossing to another thread and back costs by itself.
 //! - `throttled_file`: a task on a tokio current-thread runtime on the benchmark thread (an
 //!   ordinary caller, not on a shard) calls `ThrottledFile::read_at`: the request goes to the
 //!   dispatcher's one shard thread, which submits it to its ring, reaps the completion on its
@@ -22,6 +28,12 @@
 //!   driver (an eventfd write) on every wake from another thread, so the shard pays one system
 //!   call per completed read for a current-thread caller; the multi-thread scheduler wakes a
 //!   worker only when none is awake.
+//! - `throttled_file_sched_batch` (in `disk/ratios` only): `throttled_file` with the shard
+//!   thread on Linux's `SCHED_BATCH` policy, set by a
+//!   [`DispatcherBuilder::on_shard_start`] hook. A woken batch thread does not preempt the thread
+//!   that woke it: the caller, sharing a core with the shard (the scheduler puts them together
+//!   on the vCPU that takes the disk's interrupts), sends a whole batch of requests before the
+//!   shard takes them, instead of being preempted after the first few.
 //! - `throttled_file_parked`: the same as `throttled_file` with `idle_poll(Duration::ZERO)`: the shard
 //!   parks as soon as it is idle, so the request and the completion each pay a thread wake-up.
 //! - `busy_poll_thread` (in `disk/ratios` only): no dispatcher, the design a user might write
@@ -46,6 +58,7 @@
 //! The scratch file (64 MiB) lives under the target directory, which must be on a real disk.
 //!
 //! [idle poll]: iothrottle::dispatcher::DispatcherBuilder::idle_poll
+//! [`DispatcherBuilder::on_shard_start`]: iothrottle::dispatcher::DispatcherBuilder::on_shard_start
 
 use std::cell::RefCell;
 use std::os::fd::AsRawFd;
@@ -187,7 +200,7 @@ fn spawn_floor(
 ) {
     const SLOTS: usize = 64;
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<FloorReq>();
-    let t = std::thread::spawn(move || {
+    let t = io_thread("bench-io-busy", move || {
         let mut ring = IoUring::new(SLOTS as u32).unwrap();
         let mut bufs: Vec<AlignedBuf> = (0..SLOTS)
             .map(|_| AlignedBuf::zeroed(ALIGN).unwrap())
@@ -251,11 +264,150 @@ fn spawn_floor(
     (tx, t)
 }
 
-/// `iters` reads kept `depth` deep through the [`spawn_floor`] thread, each from its own task
-/// on `rt` (as [`throttled`] issues them).
-fn floor(
+/// A named thread for a hand-written I/O thread (its CPU is counted with the shards').
+fn io_thread(name: &str, f: impl FnOnce() + Send + 'static) -> std::thread::JoinHandle<()> {
+    std::thread::Builder::new()
+        .name(name.to_owned())
+        .spawn(f)
+        .unwrap()
+}
+
+/// The least a thread that does I/O for callers on other threads can do, with no busy polling:
+/// the [`spawn_relay`] thread's handle. Callers queue a read and write the eventfd when the
+/// thread said it sleeps.
+struct Relay {
+    /// Taken by `drop`, which then wakes the thread to see the channel closed.
+    tx: Option<tokio::sync::mpsc::UnboundedSender<FloorReq>>,
+    /// Set by the thread before it sleeps; the caller that clears it writes the eventfd.
+    sleeping: Arc<std::sync::atomic::AtomicBool>,
+    event: Arc<std::fs::File>,
+}
+
+impl Relay {
+    fn send(&self, req: FloorReq) {
+        use std::sync::atomic::Ordering::SeqCst;
+        self.tx
+            .as_ref()
+            .expect("open until dropped")
+            .send(req)
+            .unwrap();
+        // SeqCst: the queue push above and the thread's flag-then-recheck form a Dekker pair;
+        // one of the two sees the other.
+        if self.sleeping.swap(false, SeqCst) {
+            std::io::Write::write_all(&mut &*self.event, &1u64.to_ne_bytes()).unwrap();
+        }
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.tx = None;
+        std::io::Write::write_all(&mut &*self.event, &1u64.to_ne_bytes()).unwrap();
+    }
+}
+
+/// No dispatcher, no busy polling: the design with the fewest moving parts for callers that are
+/// not on the I/O thread. One thread owns a ring on which a read of an eventfd is always
+/// pending, and sleeps in `io_uring_enter` until a read completes or a caller writes the
+/// eventfd; it then submits every request queued with one system call and answers through
+/// oneshot channels (which wake the callers' tasks as the dispatcher's shard does). Its ratio to
+/// `direct_io_uring` is the cost of crossing threads alone.
+fn spawn_relay(fd: i32) -> (Relay, std::thread::JoinHandle<()>) {
+    use std::sync::atomic::Ordering::SeqCst;
+    const SLOTS: usize = 64;
+    const EVENT: u64 = u64::MAX;
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<FloorReq>();
+    let sleeping = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // SAFETY: no pointers; the new fd is owned by the `File` at once.
+    let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+    assert!(efd >= 0);
+    // SAFETY: `efd` is a fresh fd that nothing else owns.
+    let event = Arc::new(unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(efd) });
+    let (flag, ev) = (sleeping.clone(), event.clone());
+    let t = io_thread("bench-io-relay", move || {
+        let mut ring = IoUring::new(SLOTS as u32 * 2).unwrap();
+        let mut bufs: Vec<AlignedBuf> = (0..SLOTS)
+            .map(|_| AlignedBuf::zeroed(ALIGN).unwrap())
+            .collect();
+        let mut replies: Vec<Option<tokio::sync::oneshot::Sender<i32>>> =
+            (0..SLOTS).map(|_| None).collect();
+        let mut free: Vec<usize> = (0..SLOTS).collect();
+        let mut counter = Box::new([0u8; 8]);
+        let arm = |ring: &mut IoUring, counter: &mut [u8; 8]| {
+            let e = opcode::Read::new(types::Fd(ev.as_raw_fd()), counter.as_mut_ptr(), 8)
+                .build()
+                .user_data(EVENT);
+            // SAFETY: `counter` is boxed and outlives the ring's use of it (the thread ends
+            // only when the channel closes, after which nothing is read into it: see below).
+            unsafe { ring.submission().push(&e).unwrap() };
+        };
+        arm(&mut ring, &mut counter);
+        let mut closed = false;
+        loop {
+            while let Some(&slot) = free.last() {
+                let (offset, reply) = match rx.try_recv() {
+                    Ok(r) => r,
+                    Err(tokio::sync::mpsc::error::TryRecvError::Disconnected) => {
+                        closed = true;
+                        break;
+                    }
+                    Err(_) => break,
+                };
+                free.pop();
+                let e = opcode::Read::new(types::Fd(fd), bufs[slot].as_mut_ptr(), ALIGN as u32)
+                    .offset(offset)
+                    .build()
+                    .user_data(slot as u64);
+                // SAFETY: buffer `slot` serves one read at a time (it is off the free list
+                // until its completion) and outlives it (the thread waits for all below).
+                unsafe { ring.submission().push(&e).unwrap() };
+                replies[slot] = Some(reply);
+            }
+            if closed && free.len() == SLOTS {
+                // Nothing in flight but the eventfd read: wake it so that it completes before
+                // `counter` is dropped.
+                std::io::Write::write_all(&mut &*ev, &1u64.to_ne_bytes()).unwrap();
+                ring.submit_and_wait(1).unwrap();
+                return;
+            }
+            // About to sleep: say so, then look again (a caller that queued before the flag
+            // was set did not write the eventfd). What was pushed is submitted either way.
+            flag.store(true, SeqCst);
+            if !closed && !free.is_empty() && !rx.is_empty() {
+                flag.store(false, SeqCst);
+                continue;
+            }
+            ring.submit_and_wait(1).unwrap();
+            flag.store(false, SeqCst);
+            let done: Vec<(u64, i32)> = ring
+                .completion()
+                .map(|c| (c.user_data(), c.result()))
+                .collect();
+            for &(slot, res) in &done {
+                if slot == EVENT {
+                    arm(&mut ring, &mut counter);
+                    continue;
+                }
+                let _ = replies[slot as usize].take().unwrap().send(res);
+                free.push(slot as usize);
+            }
+        }
+    });
+    (
+        Relay {
+            tx: Some(tx),
+            sleeping,
+            event,
+        },
+        t,
+    )
+}
+
+/// `iters` reads kept `depth` deep through a hand-written I/O thread (`send` queues one), each
+/// from its own task on `rt` (as [`throttled`] issues them).
+fn handed_off(
     rt: &tokio::runtime::Runtime,
-    tx: &tokio::sync::mpsc::UnboundedSender<FloorReq>,
+    send: impl Fn(FloorReq) + Clone + Send + 'static,
     depth: usize,
     iters: u64,
     rng: &mut Rng,
@@ -263,10 +415,10 @@ fn floor(
     let offsets: Vec<u64> = (0..iters).map(|_| rng.offset()).collect();
     let start = Instant::now();
     rt.block_on(keep_deep(depth, &offsets, |set, buf, off| {
-        let tx = tx.clone();
+        let send = send.clone();
         set.spawn(async move {
             let (done, wait) = tokio::sync::oneshot::channel();
-            tx.send((off, done)).unwrap();
+            send((off, done));
             assert_eq!(wait.await.unwrap(), ALIGN as i32);
             // The thread reads into its own buffers: this one only keeps the helper's shape.
             buf
@@ -319,8 +471,8 @@ pub fn disk(c: &mut Criterion) {
         }
         f.sync_all().unwrap();
     }
-    let (dispatcher, class) = unthrottled(None);
-    let (parked_dispatcher, parked_class) = unthrottled(Some(Duration::ZERO));
+    let (dispatcher, class) = unthrottled(None, false);
+    let (parked_dispatcher, parked_class) = unthrottled(Some(Duration::ZERO), false);
     let opts = FileOptions {
         backend: Backend::IoUring,
         ..FileOptions::default()
@@ -359,6 +511,21 @@ pub fn disk(c: &mut Criterion) {
             .map(|_| AlignedBuf::zeroed(ALIGN).unwrap())
             .collect();
         let (floor_tx, floor_thread) = spawn_floor(raw.as_raw_fd());
+        let (relay, relay_thread) = spawn_relay(raw.as_raw_fd());
+        let relay = Arc::new(relay);
+        let (batch_dispatcher, batch_class) = unthrottled(None, true);
+        let batch_file = Arc::new(
+            ThrottledFile::open(
+                batch_dispatcher.clone(),
+                batch_class,
+                &path,
+                FileOptions {
+                    backend: Backend::IoUring,
+                    ..FileOptions::default()
+                },
+            )
+            .unwrap(),
+        );
 
         let mut cases: Vec<(&str, usize, Case<'_>)> = Vec::new();
         let (direct_1, direct_32) = (RefCell::new(&mut ring), RefCell::new(&mut deep_ring));
@@ -370,8 +537,16 @@ pub fn disk(c: &mut Criterion) {
                 (&direct_32, &bufs_32)
             };
             let fd = raw.as_raw_fd();
-            let (rt, mt, file, parked, dispatcher, floor_tx) =
-                (&rt, &mt, &file, &parked, &dispatcher, &floor_tx);
+            let relay = &relay;
+            let (rt, mt, file, parked, dispatcher, floor_tx, batch_file) = (
+                &rt,
+                &mt,
+                &file,
+                &parked,
+                &dispatcher,
+                &floor_tx,
+                &batch_file,
+            );
             cases.push((
                 "direct_io_uring",
                 depth,
@@ -389,7 +564,18 @@ pub fn disk(c: &mut Criterion) {
             cases.push((
                 "busy_poll_thread",
                 depth,
-                Box::new(move |n, rng| floor(rt, floor_tx, depth, n, rng)),
+                Box::new(move |n, rng| {
+                    let tx = floor_tx.clone();
+                    handed_off(rt, move |r| tx.send(r).unwrap(), depth, n, rng)
+                }),
+            ));
+            cases.push((
+                "uring_relay_thread",
+                depth,
+                Box::new(move |n, rng| {
+                    let relay = relay.clone();
+                    handed_off(rt, move |r| relay.send(r), depth, n, rng)
+                }),
             ));
             cases.push((
                 "throttled_file",
@@ -400,6 +586,11 @@ pub fn disk(c: &mut Criterion) {
                 "throttled_file_mt_caller",
                 depth,
                 Box::new(move |n, rng| throttled(mt, file, depth, n, rng)),
+            ));
+            cases.push((
+                "throttled_file_sched_batch",
+                depth,
+                Box::new(move |n, rng| throttled(rt, batch_file, depth, n, rng)),
             ));
             cases.push((
                 "throttled_file_parked",
@@ -416,6 +607,8 @@ pub fn disk(c: &mut Criterion) {
         drop(cases);
         drop(floor_tx);
         floor_thread.join().unwrap();
+        drop(Arc::into_inner(relay).expect("the cases are gone"));
+        relay_thread.join().unwrap();
     }
 
     let mut g = c.benchmark_group("disk/read_4k");
@@ -451,8 +644,8 @@ pub fn disk(c: &mut Criterion) {
 }
 
 /// An unthrottled one-shard dispatcher (the rate and limit far above the disk's), with the given
-/// idle poll (`None`: the default).
-fn unthrottled(idle_poll: Option<Duration>) -> (Arc<Dispatcher>, ClassId) {
+/// idle poll (`None`: the default), its shard on `SCHED_BATCH` when `sched_batch`.
+fn unthrottled(idle_poll: Option<Duration>, sched_batch: bool) -> (Arc<Dispatcher>, ClassId) {
     let mut b = Dispatcher::builder()
         .shards(1)
         .pin_threads(false)
@@ -468,6 +661,16 @@ fn unthrottled(idle_poll: Option<Duration>) -> (Arc<Dispatcher>, ClassId) {
         ));
     if let Some(t) = idle_poll {
         b = b.idle_poll(t);
+    }
+    if sched_batch {
+        b = b.on_shard_start(|_| {
+            let param = libc::sched_param { sched_priority: 0 };
+            // SAFETY: the calling thread's policy, from a live `sched_param`.
+            match unsafe { libc::sched_setscheduler(0, libc::SCHED_BATCH, &param) } {
+                0 => Ok(()),
+                _ => Err(std::io::Error::last_os_error()),
+            }
+        });
     }
     let class = b.add_class(ClassConfig::new("c", 100)).unwrap();
     (Arc::new(b.build().unwrap()), class)
@@ -488,7 +691,8 @@ fn wants_ratios() -> bool {
             .any(|w| w.contains("ratios") || (w.contains("disk") && !w.contains("read_4k")))
 }
 
-/// Nanoseconds the shard threads of this process have run on a CPU (schedstat's first field).
+/// Nanoseconds the shard threads and the hand-written I/O threads of this process have run on a
+/// CPU (schedstat's first field).
 fn shard_cpu_ns() -> u64 {
     let mut total = 0;
     for task in std::fs::read_dir("/proc/self/task")
@@ -497,7 +701,7 @@ fn shard_cpu_ns() -> u64 {
         .flatten()
     {
         let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
-        if !comm.starts_with("iothrottle-shar") {
+        if !comm.starts_with("iothrottle-shar") && !comm.starts_with("bench-io-") {
             continue;
         }
         let stat = std::fs::read_to_string(task.path().join("schedstat")).unwrap_or_default();
@@ -555,8 +759,8 @@ fn ratios(cases: &mut [(&str, usize, Case<'_>)], rng: &mut Rng) {
     };
     println!("disk/ratios: 4 KiB O_DIRECT random reads, {ROUNDS} interleaved rounds, medians");
     println!(
-        "{:<26} {:>5} {:>10} {:>8} {:>12}",
-        "case", "depth", "µs/read", "ratio", "shard CPU"
+        "{:<28} {:>5} {:>10} {:>8} {:>12}",
+        "case", "depth", "µs/read", "ratio", "I/O thr CPU"
     );
     for i in 0..k {
         let (name, depth, _) = &cases[i];
@@ -567,7 +771,7 @@ fn ratios(cases: &mut [(&str, usize, Case<'_>)], rng: &mut Rng) {
             .map(|r| per_read[i][r] / per_read[base][r])
             .collect();
         println!(
-            "{:<26} {:>5} {:>10.1} {:>7.2}× {:>11.0}%",
+            "{:<28} {:>5} {:>10.1} {:>7.2}× {:>11.0}%",
             name,
             depth,
             median(per_read[i].clone()),

@@ -161,7 +161,8 @@ where
     }
 }
 
-fn panic_message(panic: &(dyn Any + Send)) -> String {
+/// A panic's message, when it carried a string.
+pub(crate) fn panic_message(panic: &(dyn Any + Send)) -> String {
     if let Some(s) = panic.downcast_ref::<&str>() {
         (*s).to_owned()
     } else if let Some(s) = panic.downcast_ref::<String>() {

@@ -310,6 +310,7 @@ pub struct DispatcherBuilder {
     capped: bool,
     pin: bool,
     idle_poll: Duration,
+    start_hook: Option<runner::StartHook>,
     classes: Vec<ClassConfig>,
     clock: ArcClock,
     /// The checkpointed bucket's own bucket and its gate ([`checkpoint`](Self::checkpoint)).
@@ -328,6 +329,7 @@ impl fmt::Debug for DispatcherBuilder {
             .field("max_cost", &self.max_cost)
             .field("batch", &self.batch)
             .field("capped", &self.capped)
+            .field("on_shard_start", &self.start_hook.is_some())
             .field("classes", &self.classes)
             .finish_non_exhaustive()
     }
@@ -351,6 +353,7 @@ impl DispatcherBuilder {
             capped: true,
             pin: true,
             idle_poll: Self::DEFAULT_IDLE_POLL,
+            start_hook: None,
             classes: Vec::new(),
             clock: Arc::new(MonotonicClock::new()),
             checkpoint: None,
@@ -487,6 +490,39 @@ impl DispatcherBuilder {
         self
     }
 
+    /// Runs `hook` on each shard thread as it starts, with the shard's index, after the thread
+    /// pinned itself and before its runtime runs anything: the place to give the shards an OS
+    /// scheduling policy or priority, an I/O priority, a cgroup, a thread-local (tokio's
+    /// `on_thread_start`, for shards). [`build`](Self::build) waits for every shard's hook and
+    /// returns [`BuildError::ShardStart`] when one returns an error or panics (the shards
+    /// already started are stopped again).
+    ///
+    /// ```
+    /// # use iothrottle::dispatcher::{ClassConfig, DiskModel, Dispatcher};
+    /// // Shards on SCHED_BATCH: a woken shard does not preempt the thread that woke it, so a
+    /// // caller sharing its core submits a whole batch before the shard takes it (Linux).
+    /// let dispatcher = Dispatcher::builder()
+    ///     .disk(DiskModel::symmetric(200_000_000, 20_000))
+    ///     .class(ClassConfig::new("io", 1))
+    ///     .on_shard_start(|_shard| {
+    ///         let param = libc::sched_param { sched_priority: 0 };
+    ///         // SAFETY: sets the calling thread's policy from a live `sched_param`.
+    ///         match unsafe { libc::sched_setscheduler(0, libc::SCHED_BATCH, &param) } {
+    ///             0 => Ok(()),
+    ///             _ => Err(std::io::Error::last_os_error()),
+    ///         }
+    ///     })
+    ///     .build()?;
+    /// # Ok::<(), iothrottle::error::BuildError>(())
+    /// ```
+    pub fn on_shard_start<F>(mut self, hook: F) -> Self
+    where
+        F: Fn(usize) -> std::io::Result<()> + Send + Sync + 'static,
+    {
+        self.start_hook = Some(Arc::new(hook));
+        self
+    }
+
     /// Where time comes from (default a new [`MonotonicClock`]).
     pub fn clock(mut self, clock: impl Clock + 'static) -> Self {
         self.clock = Arc::new(clock);
@@ -565,7 +601,7 @@ impl DispatcherBuilder {
     /// Checks the configuration and starts the shards.
     pub fn build(self) -> Result<Dispatcher, BuildError> {
         let (shared, shards) = self.shared()?;
-        Dispatcher::start(shared, shards, self.pin)
+        Dispatcher::start(shared, shards, self.pin, self.start_hook)
     }
 
     /// The shared state this configuration describes, and the number of shards.
@@ -715,7 +751,12 @@ impl Dispatcher {
         DispatcherBuilder::new()
     }
 
-    fn start(shared: Arc<Shared>, shards: usize, pin: bool) -> Result<Self, BuildError> {
+    fn start(
+        shared: Arc<Shared>,
+        shards: usize,
+        pin: bool,
+        hook: Option<runner::StartHook>,
+    ) -> Result<Self, BuildError> {
         let cores = if pin {
             core_affinity::get_core_ids().filter(|c| !c.is_empty())
         } else {
@@ -750,7 +791,15 @@ impl Dispatcher {
             let (tx, rx) = unbounded_channel();
             let core = cores.as_ref().map(|c| c[index % c.len()]);
             let timer = (fine.clone(), wake_timer.clone());
-            let thread = runner::spawn(index, id, shared.clone(), rx, rt, core, timer).map_err(
+            let (hook, ready) = match &hook {
+                Some(h) => {
+                    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+                    (Some((h.clone(), tx)), Some(rx))
+                }
+                None => (None, None),
+            };
+            let start = runner::Start { core, hook };
+            let thread = runner::spawn(index, id, shared.clone(), rx, rt, start, timer).map_err(
                 |source| BuildError::Spawn {
                     shard: index,
                     source,
@@ -762,6 +811,19 @@ impl Dispatcher {
                 .get_mut()
                 .expect("not shared yet")
                 .push(thread);
+            if let Some(ready) = ready {
+                // A thread that ended without an answer panicked outside the hook's guard.
+                let outcome = ready.recv().unwrap_or_else(|_| {
+                    Err(std::io::Error::other(
+                        "the shard thread ended before its start hook ran",
+                    ))
+                });
+                // Dropping `dispatcher` on the way out stops the shards already started.
+                outcome.map_err(|source| BuildError::ShardStart {
+                    shard: index,
+                    source,
+                })?;
+            }
         }
         Ok(dispatcher)
     }

@@ -17,7 +17,7 @@ use tokio::sync::{oneshot, Notify};
 use crate::error::DispatchError;
 use crate::sync::Arc;
 
-use super::handle::{take_panics, BoxTask};
+use super::handle::{panic_message, take_panics, BoxTask};
 use super::queue::Entry;
 use super::shard::{Next, ShardCore};
 use super::stats::ShardStats;
@@ -183,19 +183,31 @@ impl Drop for Completion {
 pub(crate) type Timer = (Arc<FineTimer>, std::thread::Thread);
 
 /// Starts shard `index` on its own thread, running `rt`.
+/// A hook run on each shard thread as it starts ([`DispatcherBuilder::on_shard_start`]).
+///
+/// [`DispatcherBuilder::on_shard_start`]: super::DispatcherBuilder::on_shard_start
+pub(crate) type StartHook = Arc<dyn Fn(usize) -> std::io::Result<()> + Send + Sync>;
+
+/// How a shard thread starts: the core it pins itself to, and the hook it runs after that with
+/// the channel its outcome goes back on (the builder waits for it).
+pub(crate) struct Start {
+    pub(crate) core: Option<core_affinity::CoreId>,
+    pub(crate) hook: Option<(StartHook, std::sync::mpsc::SyncSender<std::io::Result<()>>)>,
+}
+
 pub(crate) fn spawn(
     index: usize,
     id: usize,
     shared: Arc<Shared>,
     rx: UnboundedReceiver<Msg>,
     rt: tokio::runtime::Runtime,
-    core: Option<core_affinity::CoreId>,
+    start: Start,
     timer: Timer,
 ) -> std::io::Result<JoinHandle<()>> {
     std::thread::Builder::new()
         .name(format!("iothrottle-shard-{index}"))
         .spawn(move || {
-            if let Some(core) = core {
+            if let Some(core) = start.core {
                 if !core_affinity::set_for_current(core) {
                     tracing::warn!(
                         shard = index,
@@ -205,12 +217,34 @@ pub(crate) fn spawn(
                 }
             }
             let _exit = Exit(shared.clone());
+            if let Some((hook, ready)) = start.hook {
+                let outcome = run_hook(&*hook, index);
+                let failed = outcome.is_err();
+                // The builder waits for this; should it be gone, there is nobody to run for.
+                if ready.send(outcome).is_err() || failed {
+                    return;
+                }
+            }
             CURRENT.with(|c| c.set(Some((id, index))));
             let local = tokio::task::LocalSet::new();
             local.block_on(&rt, run(index, shared, rx, timer));
             // Dropping the LocalSet drops any future still running; their `Completion`s
             // release their tokens.
         })
+}
+
+/// Runs the start hook of shard `index`; a panic becomes an error carrying its message.
+fn run_hook(
+    hook: &(dyn Fn(usize) -> std::io::Result<()> + Send + Sync),
+    index: usize,
+) -> std::io::Result<()> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| hook(index))) {
+        Ok(outcome) => outcome,
+        Err(payload) => Err(std::io::Error::other(format!(
+            "the start hook panicked: {}",
+            panic_message(&*payload)
+        ))),
+    }
 }
 
 /// A polling round in which the thread was preempted (an involuntary context switch) and off
