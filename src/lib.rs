@@ -9,7 +9,9 @@
 //! One line at the call site: the compaction's output file takes its bytes from a
 //! [`Throttle`] (64 MiB/s here, bursts of 4 MiB); the reads do not touch it.
 //!
-//! ```
+// The example needs the tokio layers: without feature `rt` it is shown, not run.
+#![cfg_attr(feature = "rt", doc = "```")]
+#![cfg_attr(not(feature = "rt"), doc = "```ignore")]
 //! use tokio::io::AsyncWriteExt;
 //! use iothrottle::adapter::ThrottleExt;
 //! use iothrottle::{BucketConfig, Rate, Throttle, TokioClock, Uncapped};
@@ -161,7 +163,7 @@ pub use error::{
 pub use throttle::{Permit, Throttle};
 
 /// The README's examples, compiled and run as doctests.
-#[cfg(doctest)]
+#[cfg(all(doctest, feature = "rt"))]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
 #[cfg(feature = "postgres")]

@@ -36,11 +36,7 @@
 //! counter increments, a gauge decrement and a histogram record on cached handles (the benchmark
 //! `dispatcher/overhead` is reported with and without the feature in the README).
 
-use std::cell::RefCell;
-use std::collections::HashMap;
-use std::time::Duration;
-
-use metrics::{counter, gauge, histogram, Counter, Gauge, Histogram};
+use metrics::{counter, gauge};
 
 /// Metric names, for dashboards and tests.
 pub mod names {
@@ -66,81 +62,96 @@ pub mod names {
     pub const THROTTLE_CANCELLED: &str = "iothrottle_throttle_cancelled_total";
 }
 
-/// One class's handles, registered once per shard thread.
-struct ClassHandles {
-    requests: Counter,
-    bytes: Counter,
-    tokens: Counter,
-    cancelled: Counter,
-    queue: Gauge,
-    wait: Histogram,
-    service: Histogram,
-}
+/// The dispatcher's per-class metrics (the dispatcher is part of feature `rt`).
+#[cfg(feature = "rt")]
+mod class {
+    use std::cell::RefCell;
+    use std::collections::HashMap;
+    use std::time::Duration;
 
-impl ClassHandles {
-    fn new(class: &str) -> Self {
-        let label = || ("class", class.to_owned());
-        ClassHandles {
-            requests: counter!(names::CLASS_REQUESTS, &[label()]),
-            bytes: counter!(names::CLASS_BYTES, &[label()]),
-            tokens: counter!(names::CLASS_TOKENS, &[label()]),
-            cancelled: counter!(names::CLASS_CANCELLED, &[label()]),
-            queue: gauge!(names::CLASS_QUEUE_LENGTH, &[label()]),
-            wait: histogram!(names::CLASS_QUEUE_WAIT, &[label()]),
-            service: histogram!(names::CLASS_SERVICE_TIME, &[label()]),
+    use metrics::{counter, gauge, histogram, Counter, Gauge, Histogram};
+
+    use super::names;
+
+    /// One class's handles, registered once per shard thread.
+    struct ClassHandles {
+        requests: Counter,
+        bytes: Counter,
+        tokens: Counter,
+        cancelled: Counter,
+        queue: Gauge,
+        wait: Histogram,
+        service: Histogram,
+    }
+
+    impl ClassHandles {
+        fn new(class: &str) -> Self {
+            let label = || ("class", class.to_owned());
+            ClassHandles {
+                requests: counter!(names::CLASS_REQUESTS, &[label()]),
+                bytes: counter!(names::CLASS_BYTES, &[label()]),
+                tokens: counter!(names::CLASS_TOKENS, &[label()]),
+                cancelled: counter!(names::CLASS_CANCELLED, &[label()]),
+                queue: gauge!(names::CLASS_QUEUE_LENGTH, &[label()]),
+                wait: histogram!(names::CLASS_QUEUE_WAIT, &[label()]),
+                service: histogram!(names::CLASS_SERVICE_TIME, &[label()]),
+            }
         }
+    }
+
+    thread_local! {
+        /// Per-thread (per-shard) handle cache: no lock, no allocation after the first use.
+        static CLASSES: RefCell<HashMap<String, ClassHandles>> = RefCell::new(HashMap::new());
+    }
+
+    fn with_class(class: &str, f: impl FnOnce(&ClassHandles)) {
+        CLASSES.with(|cache| {
+            let mut cache = cache.borrow_mut();
+            if let Some(h) = cache.get(class) {
+                f(h);
+            } else {
+                let h = ClassHandles::new(class);
+                f(&h);
+                cache.insert(class.to_owned(), h);
+            }
+        });
+    }
+
+    /// A request of `class` entered a queue.
+    pub(crate) fn class_queued(class: &str) {
+        with_class(class, |h| h.queue.increment(1.0));
+    }
+
+    /// A request of `class` was dispatched after waiting `wait`.
+    pub(crate) fn class_dispatched(class: &str, bytes: u64, tokens: u64, wait: Duration) {
+        with_class(class, |h| {
+            h.requests.increment(1);
+            h.bytes.increment(bytes);
+            h.tokens.increment(tokens);
+            h.queue.decrement(1.0);
+            h.wait.record(wait.as_secs_f64());
+        });
+    }
+
+    /// A request of `class` left its queue without being dispatched: cancelled by its handle
+    /// (`cancelled`), or failed by a shutdown.
+    pub(crate) fn class_unqueued(class: &str, cancelled: bool) {
+        with_class(class, |h| {
+            if cancelled {
+                h.cancelled.increment(1);
+            }
+            h.queue.decrement(1.0);
+        });
+    }
+
+    /// A dispatched request of `class` finished `service` after its dispatch.
+    pub(crate) fn class_completed(class: &str, service: Duration) {
+        with_class(class, |h| h.service.record(service.as_secs_f64()));
     }
 }
 
-thread_local! {
-    /// Per-thread (per-shard) handle cache: no lock, no allocation after the first use.
-    static CLASSES: RefCell<HashMap<String, ClassHandles>> = RefCell::new(HashMap::new());
-}
-
-fn with_class(class: &str, f: impl FnOnce(&ClassHandles)) {
-    CLASSES.with(|cache| {
-        let mut cache = cache.borrow_mut();
-        if let Some(h) = cache.get(class) {
-            f(h);
-        } else {
-            let h = ClassHandles::new(class);
-            f(&h);
-            cache.insert(class.to_owned(), h);
-        }
-    });
-}
-
-/// A request of `class` entered a queue.
-pub(crate) fn class_queued(class: &str) {
-    with_class(class, |h| h.queue.increment(1.0));
-}
-
-/// A request of `class` was dispatched after waiting `wait`.
-pub(crate) fn class_dispatched(class: &str, bytes: u64, tokens: u64, wait: Duration) {
-    with_class(class, |h| {
-        h.requests.increment(1);
-        h.bytes.increment(bytes);
-        h.tokens.increment(tokens);
-        h.queue.decrement(1.0);
-        h.wait.record(wait.as_secs_f64());
-    });
-}
-
-/// A request of `class` left its queue without being dispatched: cancelled by its handle
-/// (`cancelled`), or failed by a shutdown.
-pub(crate) fn class_unqueued(class: &str, cancelled: bool) {
-    with_class(class, |h| {
-        if cancelled {
-            h.cancelled.increment(1);
-        }
-        h.queue.decrement(1.0);
-    });
-}
-
-/// A dispatched request of `class` finished `service` after its dispatch.
-pub(crate) fn class_completed(class: &str, service: Duration) {
-    with_class(class, |h| h.service.record(service.as_secs_f64()));
-}
+#[cfg(feature = "rt")]
+pub(crate) use class::{class_completed, class_dispatched, class_queued, class_unqueued};
 
 /// A snapshot of a throttle's counters, as exported by [`export_throttle`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

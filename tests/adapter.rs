@@ -1,3 +1,4 @@
+#![cfg(feature = "rt")] // the tokio layers; the bucket alone is tested without them
 //! The I/O adapters on tokio's paused time and on a manual clock: the rate bound, cancellation,
 //! large and short operations, seek pass-through, capped accounting, the blocking wrapper and
 //! `request`.

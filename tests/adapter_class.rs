@@ -1,3 +1,4 @@
+#![cfg(feature = "rt")] // the tokio layers; the bucket alone is tested without them
 //! `ClassIo`: reads and writes scheduled as tickets of a dispatcher class.
 
 use std::sync::Arc;

@@ -1,3 +1,4 @@
+#![cfg(feature = "rt")] // the tokio layers; the bucket alone is tested without them
 //! The background checkpointer under tokio's paused time, with an in-memory store whose
 //! failures the test switches on and off (the real stores have their own tests).
 

@@ -1,3 +1,4 @@
+#![cfg(feature = "rt")] // the tokio layers; the bucket alone is tested without them
 //! Crash tests: a child process consumes tokens as fast as it can with checkpointing on, is
 //! SIGKILLed at a random moment and restarted, many times; the parent counts the grants the
 //! child reported (outside the child) and checks the durability mode's bound against the wall

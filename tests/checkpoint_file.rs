@@ -1,3 +1,4 @@
+#![cfg(feature = "rt")] // the tokio layers; the bucket alone is tested without them
 //! `FileCheckpoint` on a real file system: atomic replace, first start, damaged files and the
 //! empty-bucket fallback.
 

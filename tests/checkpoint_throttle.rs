@@ -1,3 +1,4 @@
+#![cfg(feature = "rt")] // the tokio layers; the bucket alone is tested without them
 //! Defect 2 of issue 8: strict and periodic checkpoints are a layer of `Throttle`
 //! (`Throttle::with_checkpoint`): cancel safe, threshold-aware, a cost above the limit is a
 //! typed error, and a grab past the durable mark sleeps until the mark is saved. Under tokio's

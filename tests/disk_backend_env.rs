@@ -1,3 +1,4 @@
+#![cfg(feature = "rt")] // the tokio layers; the bucket alone is tested without them
 //! `IOTHROTTLE_IO_BACKEND` forces the blocking pool (its own test binary: it sets the
 //! process's environment).
 

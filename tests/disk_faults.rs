@@ -1,3 +1,4 @@
+#![cfg(feature = "rt")] // the tokio layers; the bucket alone is tested without them
 //! Faults on real file systems: a full disk (a small loop-mounted ext4), tmpfs, bad options.
 //!
 //! The full-disk tests mount an 8 MiB ext4 image on a loop device, which needs root (CI and the

@@ -1,3 +1,4 @@
+#![cfg(feature = "rt")] // the tokio layers; the bucket alone is tested without them
 //! `ThrottledFile`: real O_DIRECT I/O through the dispatcher, on io_uring and on the blocking
 //! pool; bad input; completions releasing capped tokens.
 

@@ -1,3 +1,4 @@
+#![cfg(feature = "rt")] // the tokio layers; the bucket alone is tested without them
 //! io-properties files: iotune's format, mount points, unreadable files.
 
 use std::path::Path;

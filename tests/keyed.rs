@@ -213,6 +213,7 @@ fn concurrent_checks_on_one_key_grant_exactly_the_bucket() {
     assert_eq!(k.available(&"hot".to_owned()), Some(0));
 }
 
+#[cfg(feature = "rt")]
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn until_ready_waits_for_the_key_on_tokio_time() {
     let k = KeyedThrottle::<u32, _>::with_clock(

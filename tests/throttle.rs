@@ -1,3 +1,4 @@
+#![cfg(feature = "rt")] // the tokio layers; the bucket alone is tested without them
 //! Integration tests of `Throttle`, on tokio's paused time (`TokioClock`) or a `ManualClock`:
 //! no test sleeps in real time, every duration below is virtual and exact.
 

@@ -17,7 +17,8 @@
 //!
 //! The long-form description (the accounting rules, cancellation, what a capped bucket means
 //! here) is `docs/adapters.md`, included below; its examples run as doctests.
-#![doc = include_str!("../../docs/adapters.md")]
+// Its examples use the tokio layers: without feature `rt` (docs.rs has it) it is left out.
+#![cfg_attr(feature = "rt", doc = include_str!("../../docs/adapters.md"))]
 
 mod blocking;
 #[cfg(all(feature = "rt", not(iothrottle_loom)))]

@@ -237,14 +237,16 @@ impl ThrottledFile {
                 align: ALIGN as u64,
             });
         }
-        let end = offset
+        // The kernel takes offsets as `off_t`: the range must end within `i64::MAX`.
+        if offset
             .checked_add(len as u64)
-            .filter(|&e| e <= i64::MAX as u64)
-            .ok_or(DiskError::OffsetOverflow {
+            .is_none_or(|end| end > i64::MAX as u64)
+        {
+            return Err(DiskError::OffsetOverflow {
                 offset,
                 len: len as u64,
-            })?;
-        let _ = end;
+            });
+        }
         let (op, opkind, request): (_, _, fn(u64) -> IoRequest) = match kind {
             IoKind::Read => ("read", OpKind::Read, IoRequest::read),
             IoKind::Write => ("write", OpKind::Write, IoRequest::write),
