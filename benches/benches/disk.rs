@@ -17,6 +17,10 @@
 //!   always pending on the ring, written only when the thread said it sleeps), submits every
 //!   request queued with one system call, and answers through oneshot channels. Its ratio to
 //!   `direct_io_uring` is what crossing to another thread and back costs by itself.
+//! - `uring_relay_tokio` (in `disk/ratios` only): the same relay run as a shard runs, on a tokio
+//!   current-thread runtime: it waits in the runtime's `epoll_wait` for a request or for the
+//!   ring's eventfd, and reads the eventfd to reset it. Between it and `uring_relay_thread` is
+//!   what the runtime costs; between it and `throttled_file`, what the dispatcher does.
 //! - `throttled_file`: a task on a tokio current-thread runtime on the benchmark thread (an
 //!   ordinary caller, not on a shard) calls `ThrottledFile::read_at`: the request goes to the
 //!   dispatcher's one shard thread, which submits it to its ring, reaps the completion on its
@@ -202,59 +206,34 @@ fn spawn_floor(
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<FloorReq>();
     let t = io_thread("bench-io-busy", move || {
         let mut ring = IoUring::new(SLOTS as u32).unwrap();
-        let mut bufs: Vec<AlignedBuf> = (0..SLOTS)
-            .map(|_| AlignedBuf::zeroed(ALIGN).unwrap())
-            .collect();
-        let mut replies: Vec<Option<tokio::sync::oneshot::Sender<i32>>> =
-            (0..SLOTS).map(|_| None).collect();
-        let mut free: Vec<usize> = (0..SLOTS).collect();
+        let mut slots = Slots::new(fd, SLOTS);
         let mut idle_since = Instant::now();
         loop {
             let mut pushed = 0;
-            while let Some(&slot) = free.last() {
-                let (offset, reply) = match rx.try_recv() {
-                    Ok(r) => r,
-                    Err(tokio::sync::mpsc::error::TryRecvError::Disconnected) => return,
+            while slots.has_room() {
+                match rx.try_recv() {
+                    Ok(req) => slots.take(&mut ring, req),
+                    // Every caller waits for its reads, so none is in flight by now.
+                    Err(tokio::sync::mpsc::error::TryRecvError::Disconnected) if slots.idle() => {
+                        return
+                    }
                     Err(_) => break,
-                };
-                free.pop();
-                let e = opcode::Read::new(types::Fd(fd), bufs[slot].as_mut_ptr(), ALIGN as u32)
-                    .offset(offset)
-                    .build()
-                    .user_data(slot as u64);
-                // SAFETY: buffer `slot` serves one read at a time (it is off the free list
-                // until its completion) and outlives it (the thread waits for all below).
-                unsafe { ring.submission().push(&e).unwrap() };
-                replies[slot] = Some(reply);
+                }
                 pushed += 1;
             }
             if pushed > 0 {
                 ring.submit().unwrap();
             }
-            let done: Vec<(u64, i32)> = ring
-                .completion()
-                .map(|c| (c.user_data(), c.result()))
-                .collect();
-            for &(slot, res) in &done {
-                let _ = replies[slot as usize].take().unwrap().send(res);
-                free.push(slot as usize);
-            }
-            if pushed > 0 || !done.is_empty() || free.len() < SLOTS {
+            let done = slots.reap(&mut ring);
+            if pushed > 0 || done > 0 || !slots.idle() {
                 idle_since = Instant::now();
             } else if idle_since.elapsed() > Duration::from_millis(1) {
-                let Some((offset, reply)) = rx.blocking_recv() else {
+                let Some(req) = rx.blocking_recv() else {
                     return;
                 };
                 // Handled as if it had come in with the next round.
-                let slot = free.pop().unwrap();
-                let e = opcode::Read::new(types::Fd(fd), bufs[slot].as_mut_ptr(), ALIGN as u32)
-                    .offset(offset)
-                    .build()
-                    .user_data(slot as u64);
-                // SAFETY: as above.
-                unsafe { ring.submission().push(&e).unwrap() };
+                slots.take(&mut ring, req);
                 ring.submit().unwrap();
-                replies[slot] = Some(reply);
                 idle_since = Instant::now();
             } else {
                 std::hint::spin_loop();
@@ -326,44 +305,30 @@ fn spawn_relay(fd: i32) -> (Relay, std::thread::JoinHandle<()>) {
     let (flag, ev) = (sleeping.clone(), event.clone());
     let t = io_thread("bench-io-relay", move || {
         let mut ring = IoUring::new(SLOTS as u32 * 2).unwrap();
-        let mut bufs: Vec<AlignedBuf> = (0..SLOTS)
-            .map(|_| AlignedBuf::zeroed(ALIGN).unwrap())
-            .collect();
-        let mut replies: Vec<Option<tokio::sync::oneshot::Sender<i32>>> =
-            (0..SLOTS).map(|_| None).collect();
-        let mut free: Vec<usize> = (0..SLOTS).collect();
+        let mut slots = Slots::new(fd, SLOTS);
         let mut counter = Box::new([0u8; 8]);
         let arm = |ring: &mut IoUring, counter: &mut [u8; 8]| {
             let e = opcode::Read::new(types::Fd(ev.as_raw_fd()), counter.as_mut_ptr(), 8)
                 .build()
                 .user_data(EVENT);
             // SAFETY: `counter` is boxed and outlives the ring's use of it (the thread ends
-            // only when the channel closes, after which nothing is read into it: see below).
+            // only once this read completed: see below).
             unsafe { ring.submission().push(&e).unwrap() };
         };
         arm(&mut ring, &mut counter);
         let mut closed = false;
         loop {
-            while let Some(&slot) = free.last() {
-                let (offset, reply) = match rx.try_recv() {
-                    Ok(r) => r,
+            while slots.has_room() {
+                match rx.try_recv() {
+                    Ok(req) => slots.take(&mut ring, req),
                     Err(tokio::sync::mpsc::error::TryRecvError::Disconnected) => {
                         closed = true;
                         break;
                     }
                     Err(_) => break,
-                };
-                free.pop();
-                let e = opcode::Read::new(types::Fd(fd), bufs[slot].as_mut_ptr(), ALIGN as u32)
-                    .offset(offset)
-                    .build()
-                    .user_data(slot as u64);
-                // SAFETY: buffer `slot` serves one read at a time (it is off the free list
-                // until its completion) and outlives it (the thread waits for all below).
-                unsafe { ring.submission().push(&e).unwrap() };
-                replies[slot] = Some(reply);
+                }
             }
-            if closed && free.len() == SLOTS {
+            if closed && slots.idle() {
                 // Nothing in flight but the eventfd read: wake it so that it completes before
                 // `counter` is dropped.
                 std::io::Write::write_all(&mut &*ev, &1u64.to_ne_bytes()).unwrap();
@@ -373,23 +338,19 @@ fn spawn_relay(fd: i32) -> (Relay, std::thread::JoinHandle<()>) {
             // About to sleep: say so, then look again (a caller that queued before the flag
             // was set did not write the eventfd). What was pushed is submitted either way.
             flag.store(true, SeqCst);
-            if !closed && !free.is_empty() && !rx.is_empty() {
+            if !closed && slots.has_room() && !rx.is_empty() {
                 flag.store(false, SeqCst);
                 continue;
             }
             ring.submit_and_wait(1).unwrap();
             flag.store(false, SeqCst);
-            let done: Vec<(u64, i32)> = ring
-                .completion()
-                .map(|c| (c.user_data(), c.result()))
-                .collect();
-            for &(slot, res) in &done {
-                if slot == EVENT {
-                    arm(&mut ring, &mut counter);
-                    continue;
-                }
-                let _ = replies[slot as usize].take().unwrap().send(res);
-                free.push(slot as usize);
+            let mut rearm = false;
+            slots.reap_with(&mut ring, |user_data| {
+                rearm |= user_data == EVENT;
+                user_data != EVENT
+            });
+            if rearm {
+                arm(&mut ring, &mut counter);
             }
         }
     });
@@ -401,6 +362,134 @@ fn spawn_relay(fd: i32) -> (Relay, std::thread::JoinHandle<()>) {
         },
         t,
     )
+}
+
+/// A ring's read slots: a buffer and a reply each.
+struct Slots {
+    fd: i32,
+    bufs: Vec<AlignedBuf>,
+    replies: Vec<Option<tokio::sync::oneshot::Sender<i32>>>,
+    free: Vec<usize>,
+}
+
+impl Slots {
+    fn new(fd: i32, n: usize) -> Self {
+        Slots {
+            fd,
+            bufs: (0..n).map(|_| AlignedBuf::zeroed(ALIGN).unwrap()).collect(),
+            replies: (0..n).map(|_| None).collect(),
+            free: (0..n).collect(),
+        }
+    }
+
+    /// Queues the read on the ring (not submitted yet).
+    fn take(&mut self, ring: &mut IoUring, (offset, reply): FloorReq) {
+        let slot = self.free.pop().expect("no more reads in flight than slots");
+        let e = opcode::Read::new(
+            types::Fd(self.fd),
+            self.bufs[slot].as_mut_ptr(),
+            ALIGN as u32,
+        )
+        .offset(offset)
+        .build()
+        .user_data(slot as u64);
+        // SAFETY: buffer `slot` serves one read at a time (it is off the free list until its
+        // completion) and outlives it (the owner ends only with nothing in flight).
+        unsafe { ring.submission().push(&e).unwrap() };
+        self.replies[slot] = Some(reply);
+    }
+
+    /// Answers every completion posted; returns how many.
+    fn reap(&mut self, ring: &mut IoUring) -> usize {
+        self.reap_with(ring, |_| true)
+    }
+
+    /// [`reap`](Self::reap), skipping the completions whose user data `ours` refuses.
+    fn reap_with(&mut self, ring: &mut IoUring, mut ours: impl FnMut(u64) -> bool) -> usize {
+        let mut n = 0;
+        for c in ring.completion() {
+            if !ours(c.user_data()) {
+                continue;
+            }
+            let slot = c.user_data() as usize;
+            let _ = self.replies[slot].take().unwrap().send(c.result());
+            self.free.push(slot);
+            n += 1;
+        }
+        n
+    }
+
+    fn has_room(&self) -> bool {
+        !self.free.is_empty()
+    }
+
+    fn idle(&self) -> bool {
+        self.free.len() == self.bufs.len()
+    }
+}
+
+/// The relay on a tokio current-thread runtime, as a shard runs: one task takes the queued
+/// requests, submits them with one system call, reaps the ring and answers, and waits for either
+/// a request (the channel's waker) or a completion (the ring's eventfd, registered with the
+/// runtime's epoll, and read to reset it). No queue, no tokens: its distance to
+/// `uring_relay_thread` is what the runtime costs, its distance to `throttled_file` what the
+/// dispatcher does.
+fn spawn_tokio_relay(
+    fd: i32,
+) -> (
+    tokio::sync::mpsc::UnboundedSender<FloorReq>,
+    std::thread::JoinHandle<()>,
+) {
+    const SLOTS: usize = 64;
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<FloorReq>();
+    let t = io_thread("bench-io-tokio", move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let mut ring = IoUring::new(SLOTS as u32).unwrap();
+            // SAFETY: no pointers; the new fd is owned by the `File` at once.
+            let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+            assert!(efd >= 0);
+            // SAFETY: `efd` is a fresh fd that nothing else owns.
+            let event = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(efd) };
+            ring.submitter()
+                .register_eventfd(event.as_raw_fd())
+                .unwrap();
+            // SAFETY: the `AsyncFd` owns the `File`, which owns the fd: it stays open while
+            // registered.
+            let event = unsafe { tokio::io::unix::AsyncFd::register(event) }.unwrap();
+            let mut slots = Slots::new(fd, SLOTS);
+            let mut open = true;
+            loop {
+                while let Ok(req) = rx.try_recv() {
+                    slots.take(&mut ring, req);
+                }
+                if !ring.submission().is_empty() {
+                    ring.submit().unwrap();
+                }
+                slots.reap(&mut ring);
+                if !open && slots.idle() {
+                    return;
+                }
+                tokio::select! {
+                    biased;
+                    req = rx.recv(), if open => match req {
+                        Some(req) => slots.take(&mut ring, req),
+                        None => open = false,
+                    },
+                    ready = event.readable() => {
+                        let mut ready = ready.unwrap();
+                        ready.clear_ready();
+                        let mut count = [0u8; 8];
+                        let _ = std::io::Read::read(&mut event.get_ref(), &mut count);
+                    }
+                }
+            }
+        })
+    });
+    (tx, t)
 }
 
 /// `iters` reads kept `depth` deep through a hand-written I/O thread (`send` queues one), each
@@ -512,6 +601,7 @@ pub fn disk(c: &mut Criterion) {
             .collect();
         let (floor_tx, floor_thread) = spawn_floor(raw.as_raw_fd());
         let (relay, relay_thread) = spawn_relay(raw.as_raw_fd());
+        let (tokio_tx, tokio_thread) = spawn_tokio_relay(raw.as_raw_fd());
         let relay = Arc::new(relay);
         let (batch_dispatcher, batch_class) = unthrottled(None, true);
         let batch_file = Arc::new(
@@ -537,7 +627,7 @@ pub fn disk(c: &mut Criterion) {
                 (&direct_32, &bufs_32)
             };
             let fd = raw.as_raw_fd();
-            let relay = &relay;
+            let (relay, tokio_tx) = (&relay, &tokio_tx);
             let (rt, mt, file, parked, dispatcher, floor_tx, batch_file) = (
                 &rt,
                 &mt,
@@ -578,6 +668,14 @@ pub fn disk(c: &mut Criterion) {
                 }),
             ));
             cases.push((
+                "uring_relay_tokio",
+                depth,
+                Box::new(move |n, rng| {
+                    let tx = tokio_tx.clone();
+                    handed_off(rt, move |r| tx.send(r).unwrap(), depth, n, rng)
+                }),
+            ));
+            cases.push((
                 "throttled_file",
                 depth,
                 Box::new(move |n, rng| throttled(rt, file, depth, n, rng)),
@@ -609,6 +707,8 @@ pub fn disk(c: &mut Criterion) {
         floor_thread.join().unwrap();
         drop(Arc::into_inner(relay).expect("the cases are gone"));
         relay_thread.join().unwrap();
+        drop(tokio_tx);
+        tokio_thread.join().unwrap();
     }
 
     let mut g = c.benchmark_group("disk/read_4k");
