@@ -188,7 +188,7 @@ fn throttled(
     start.elapsed()
 }
 
-/// A read asked of the [`floor`] thread: its offset, and where to say it is done.
+/// A read asked of a hand-written I/O thread: its offset, and where to say it is done.
 type FloorReq = (u64, tokio::sync::oneshot::Sender<i32>);
 
 /// A hand-written alternative to the dispatcher for a caller that is not on the I/O thread: a
@@ -196,15 +196,8 @@ type FloorReq = (u64, tokio::sync::oneshot::Sender<i32>);
 /// do), take every request waiting, submit them on its own ring with one system call, busy-poll
 /// the completion queue (no system call but the submission), and answer through oneshot
 /// channels, which wake the callers' tasks as the dispatcher's shard does. No queue, no tokens.
-fn spawn_floor(
-    fd: i32,
-) -> (
-    tokio::sync::mpsc::UnboundedSender<FloorReq>,
-    std::thread::JoinHandle<()>,
-) {
-    const SLOTS: usize = 64;
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<FloorReq>();
-    let t = io_thread("bench-io-busy", move || {
+fn spawn_floor(fd: i32) -> Served {
+    serve("bench-io-busy", move |mut rx| {
         let mut ring = IoUring::new(SLOTS as u32).unwrap();
         let mut slots = Slots::new(fd, SLOTS);
         let mut idle_since = Instant::now();
@@ -239,16 +232,30 @@ fn spawn_floor(
                 std::hint::spin_loop();
             }
         }
-    });
-    (tx, t)
+    })
 }
 
-/// A named thread for a hand-written I/O thread (its CPU is counted with the shards').
-fn io_thread(name: &str, f: impl FnOnce() + Send + 'static) -> std::thread::JoinHandle<()> {
-    std::thread::Builder::new()
+/// Reads one hand-written I/O thread may have in flight.
+const SLOTS: usize = 64;
+
+/// Where callers queue their reads for a hand-written I/O thread, and the thread.
+type Served = (
+    tokio::sync::mpsc::UnboundedSender<FloorReq>,
+    std::thread::JoinHandle<()>,
+);
+
+/// Starts a hand-written I/O thread named `name` (its CPU is counted with the shards') that
+/// serves the reads queued on the channel it is given.
+fn serve(
+    name: &str,
+    f: impl FnOnce(tokio::sync::mpsc::UnboundedReceiver<FloorReq>) + Send + 'static,
+) -> Served {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<FloorReq>();
+    let t = std::thread::Builder::new()
         .name(name.to_owned())
-        .spawn(f)
-        .unwrap()
+        .spawn(move || f(rx))
+        .unwrap();
+    (tx, t)
 }
 
 /// The least a thread that does I/O for callers on other threads can do, with no busy polling:
@@ -293,9 +300,7 @@ impl Drop for Relay {
 /// `direct_io_uring` is the cost of crossing threads alone.
 fn spawn_relay(fd: i32) -> (Relay, std::thread::JoinHandle<()>) {
     use std::sync::atomic::Ordering::SeqCst;
-    const SLOTS: usize = 64;
     const EVENT: u64 = u64::MAX;
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<FloorReq>();
     let sleeping = Arc::new(std::sync::atomic::AtomicBool::new(false));
     // SAFETY: no pointers; the new fd is owned by the `File` at once.
     let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
@@ -303,7 +308,7 @@ fn spawn_relay(fd: i32) -> (Relay, std::thread::JoinHandle<()>) {
     // SAFETY: `efd` is a fresh fd that nothing else owns.
     let event = Arc::new(unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(efd) });
     let (flag, ev) = (sleeping.clone(), event.clone());
-    let t = io_thread("bench-io-relay", move || {
+    let (tx, t) = serve("bench-io-relay", move |mut rx| {
         let mut ring = IoUring::new(SLOTS as u32 * 2).unwrap();
         let mut slots = Slots::new(fd, SLOTS);
         let mut counter = Box::new([0u8; 8]);
@@ -434,15 +439,8 @@ impl Slots {
 /// runtime's epoll, and read to reset it). No queue, no tokens: its distance to
 /// `uring_relay_thread` is what the runtime costs, its distance to `throttled_file` what the
 /// dispatcher does.
-fn spawn_tokio_relay(
-    fd: i32,
-) -> (
-    tokio::sync::mpsc::UnboundedSender<FloorReq>,
-    std::thread::JoinHandle<()>,
-) {
-    const SLOTS: usize = 64;
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<FloorReq>();
-    let t = io_thread("bench-io-tokio", move || {
+fn spawn_tokio_relay(fd: i32) -> Served {
+    serve("bench-io-tokio", move |mut rx| {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -488,8 +486,7 @@ fn spawn_tokio_relay(
                 }
             }
         })
-    });
-    (tx, t)
+    })
 }
 
 /// `iters` reads kept `depth` deep through a hand-written I/O thread (`send` queues one), each
@@ -652,14 +649,6 @@ pub fn disk(c: &mut Criterion) {
                 }),
             ));
             cases.push((
-                "busy_poll_thread",
-                depth,
-                Box::new(move |n, rng| {
-                    let tx = floor_tx.clone();
-                    handed_off(rt, move |r| tx.send(r).unwrap(), depth, n, rng)
-                }),
-            ));
-            cases.push((
                 "uring_relay_thread",
                 depth,
                 Box::new(move |n, rng| {
@@ -667,14 +656,19 @@ pub fn disk(c: &mut Criterion) {
                     handed_off(rt, move |r| relay.send(r), depth, n, rng)
                 }),
             ));
-            cases.push((
-                "uring_relay_tokio",
-                depth,
-                Box::new(move |n, rng| {
-                    let tx = tokio_tx.clone();
-                    handed_off(rt, move |r| tx.send(r).unwrap(), depth, n, rng)
-                }),
-            ));
+            for (name, queue) in [
+                ("busy_poll_thread", floor_tx),
+                ("uring_relay_tokio", tokio_tx),
+            ] {
+                cases.push((
+                    name,
+                    depth,
+                    Box::new(move |n, rng| {
+                        let tx = queue.clone();
+                        handed_off(rt, move |r| tx.send(r).unwrap(), depth, n, rng)
+                    }),
+                ));
+            }
             cases.push((
                 "throttled_file",
                 depth,
