@@ -182,7 +182,6 @@ impl Drop for Completion {
 /// The fine timer and its thread (to wake it when a deadline changes).
 pub(crate) type Timer = (Arc<FineTimer>, std::thread::Thread);
 
-/// Starts shard `index` on its own thread, running `rt`.
 /// A hook run on each shard thread as it starts ([`DispatcherBuilder::on_shard_start`]).
 ///
 /// [`DispatcherBuilder::on_shard_start`]: super::DispatcherBuilder::on_shard_start
@@ -195,6 +194,7 @@ pub(crate) struct Start {
     pub(crate) hook: Option<(StartHook, std::sync::mpsc::SyncSender<std::io::Result<()>>)>,
 }
 
+/// Starts shard `index` on its own thread, running `rt`.
 pub(crate) fn spawn(
     index: usize,
     id: usize,
