@@ -1105,9 +1105,43 @@ fn a_panicking_start_hook_is_an_error_not_a_panic() {
     assert_eq!((ran, ended), (3, 3));
 }
 
+/// The scheduling policy of each shard of `d`, read on the shard.
+#[cfg(target_os = "linux")]
+fn shard_policies(d: &Dispatcher, c: ClassId) -> Vec<i32> {
+    let rt = rt();
+    (0..d.shards())
+        .map(|shard| {
+            let h = d
+                .submit_to(shard, c, IoRequest::read(4096), async {
+                    // SAFETY: no arguments but the calling thread (0).
+                    unsafe { libc::sched_getscheduler(0) }
+                })
+                .unwrap();
+            rt.block_on(h).unwrap()
+        })
+        .collect()
+}
+
 #[cfg(target_os = "linux")]
 #[test]
 fn start_hook_sets_the_shards_scheduling_policy() {
+    // SAFETY: no arguments but the calling thread (0).
+    let own = unsafe { libc::sched_getscheduler(0) };
+    // Control: without the hook the shards inherit the builder's policy, so the check below
+    // sees the hook's work, not an inherited `SCHED_BATCH`.
+    let mut b = Dispatcher::builder()
+        .disk(NVME)
+        .shards(2)
+        .pin_threads(false);
+    let c = b.add_class(ClassConfig::new("c", 1)).unwrap();
+    let plain = b.build().unwrap();
+    assert_eq!(shard_policies(&plain, c), vec![own, own]);
+    assert_ne!(
+        own,
+        libc::SCHED_BATCH,
+        "the test thread must not already be SCHED_BATCH"
+    );
+
     let mut b = Dispatcher::builder()
         .disk(NVME)
         .shards(2)
@@ -1122,17 +1156,8 @@ fn start_hook_sets_the_shards_scheduling_policy() {
         });
     let c = b.add_class(ClassConfig::new("c", 1)).unwrap();
     let d = b.build().unwrap();
-    let rt = rt();
-    for shard in 0..2 {
-        // SAFETY: no arguments but the calling thread (0).
-        let h = d
-            .submit_to(shard, c, IoRequest::read(4096), async {
-                unsafe { libc::sched_getscheduler(0) }
-            })
-            .unwrap();
-        assert_eq!(rt.block_on(h), Ok(libc::SCHED_BATCH));
-    }
+    assert_eq!(shard_policies(&d, c), vec![libc::SCHED_BATCH; 2]);
     // The builder's thread keeps its own policy.
     // SAFETY: as above.
-    assert_eq!(unsafe { libc::sched_getscheduler(0) }, libc::SCHED_OTHER);
+    assert_eq!(unsafe { libc::sched_getscheduler(0) }, own);
 }

@@ -235,6 +235,20 @@ fn spawn_floor(fd: i32) -> Served {
     })
 }
 
+/// A new eventfd (`flags` as `eventfd(2)` takes them), owned by the `File`.
+fn eventfd(flags: i32) -> std::fs::File {
+    // SAFETY: no pointers; the new fd is owned by the `File` at once.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | flags) };
+    assert!(fd >= 0, "eventfd: {}", std::io::Error::last_os_error());
+    // SAFETY: `fd` is a fresh fd that nothing else owns.
+    unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) }
+}
+
+/// Adds one to an eventfd's count (wakes whoever waits on it).
+fn signal(event: &std::fs::File) {
+    std::io::Write::write_all(&mut &*event, &1u64.to_ne_bytes()).unwrap();
+}
+
 /// Reads one hand-written I/O thread may have in flight.
 const SLOTS: usize = 64;
 
@@ -280,7 +294,7 @@ impl Relay {
         // SeqCst: the queue push above and the thread's flag-then-recheck form a Dekker pair;
         // one of the two sees the other.
         if self.sleeping.swap(false, SeqCst) {
-            std::io::Write::write_all(&mut &*self.event, &1u64.to_ne_bytes()).unwrap();
+            signal(&self.event);
         }
     }
 }
@@ -288,7 +302,7 @@ impl Relay {
 impl Drop for Relay {
     fn drop(&mut self) {
         self.tx = None;
-        std::io::Write::write_all(&mut &*self.event, &1u64.to_ne_bytes()).unwrap();
+        signal(&self.event);
     }
 }
 
@@ -302,11 +316,7 @@ fn spawn_relay(fd: i32) -> (Relay, std::thread::JoinHandle<()>) {
     use std::sync::atomic::Ordering::SeqCst;
     const EVENT: u64 = u64::MAX;
     let sleeping = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    // SAFETY: no pointers; the new fd is owned by the `File` at once.
-    let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
-    assert!(efd >= 0);
-    // SAFETY: `efd` is a fresh fd that nothing else owns.
-    let event = Arc::new(unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(efd) });
+    let event = Arc::new(eventfd(0));
     let (flag, ev) = (sleeping.clone(), event.clone());
     let (tx, t) = serve("bench-io-relay", move |mut rx| {
         let mut ring = IoUring::new(SLOTS as u32 * 2).unwrap();
@@ -336,7 +346,7 @@ fn spawn_relay(fd: i32) -> (Relay, std::thread::JoinHandle<()>) {
             if closed && slots.idle() {
                 // Nothing in flight but the eventfd read: wake it so that it completes before
                 // `counter` is dropped.
-                std::io::Write::write_all(&mut &*ev, &1u64.to_ne_bytes()).unwrap();
+                signal(&ev);
                 ring.submit_and_wait(1).unwrap();
                 return;
             }
@@ -447,11 +457,7 @@ fn spawn_tokio_relay(fd: i32) -> Served {
             .unwrap();
         rt.block_on(async move {
             let mut ring = IoUring::new(SLOTS as u32).unwrap();
-            // SAFETY: no pointers; the new fd is owned by the `File` at once.
-            let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-            assert!(efd >= 0);
-            // SAFETY: `efd` is a fresh fd that nothing else owns.
-            let event = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(efd) };
+            let event = eventfd(libc::EFD_NONBLOCK);
             ring.submitter()
                 .register_eventfd(event.as_raw_fd())
                 .unwrap();
@@ -566,7 +572,7 @@ pub fn disk(c: &mut Criterion) {
     let file =
         Arc::new(ThrottledFile::open(dispatcher.clone(), class, &path, opts.clone()).unwrap());
     let parked = Arc::new(
-        ThrottledFile::open(parked_dispatcher.clone(), parked_class, &path, opts).unwrap(),
+        ThrottledFile::open(parked_dispatcher.clone(), parked_class, &path, opts.clone()).unwrap(),
     );
     let raw = std::fs::OpenOptions::new()
         .read(true)
@@ -602,16 +608,8 @@ pub fn disk(c: &mut Criterion) {
         let relay = Arc::new(relay);
         let (batch_dispatcher, batch_class) = unthrottled(None, true);
         let batch_file = Arc::new(
-            ThrottledFile::open(
-                batch_dispatcher.clone(),
-                batch_class,
-                &path,
-                FileOptions {
-                    backend: Backend::IoUring,
-                    ..FileOptions::default()
-                },
-            )
-            .unwrap(),
+            ThrottledFile::open(batch_dispatcher.clone(), batch_class, &path, opts.clone())
+                .unwrap(),
         );
 
         let mut cases: Vec<(&str, usize, Case<'_>)> = Vec::new();

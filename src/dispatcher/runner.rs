@@ -218,7 +218,7 @@ pub(crate) fn spawn(
             }
             let _exit = Exit(shared.clone());
             if let Some((hook, ready)) = start.hook {
-                let outcome = run_hook(&*hook, index);
+                let outcome = run_hook(&hook, index);
                 let failed = outcome.is_err();
                 // The builder waits for this; should it be gone, there is nobody to run for.
                 if ready.send(outcome).is_err() || failed {
@@ -234,10 +234,7 @@ pub(crate) fn spawn(
 }
 
 /// Runs the start hook of shard `index`; a panic becomes an error carrying its message.
-fn run_hook(
-    hook: &(dyn Fn(usize) -> std::io::Result<()> + Send + Sync),
-    index: usize,
-) -> std::io::Result<()> {
+fn run_hook(hook: &StartHook, index: usize) -> std::io::Result<()> {
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| hook(index))) {
         Ok(outcome) => outcome,
         Err(payload) => Err(std::io::Error::other(format!(
