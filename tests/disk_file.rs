@@ -269,3 +269,106 @@ fn from_file_needs_o_direct() {
         Err(DiskError::NotDirect { .. })
     ));
 }
+
+/// Every block of the file stamped with its index (its first 8 bytes).
+fn stamped_file(path: &Path, blocks: usize) {
+    let mut data = vec![0u8; blocks * ALIGN];
+    for (i, block) in data.chunks_mut(ALIGN).enumerate() {
+        block[..8].copy_from_slice(&(i as u64).to_le_bytes());
+        block[8..].fill(i as u8);
+    }
+    std::fs::write(path, &data).unwrap();
+}
+
+/// Reads of 1 to 4 blocks at random places, `depth` in flight, from tasks `spawn` starts; each
+/// checks that it got its own blocks, whole, and its own byte count: a completion handed to
+/// another request's handle (the ring's operations are keyed by a slot used again once its
+/// completion is reaped) would resolve that handle early, with another size or before its
+/// blocks arrived.
+async fn deep_reads_see_their_own_blocks(
+    f: Arc<ThrottledFile>,
+    blocks: usize,
+    reads: usize,
+    depth: usize,
+    spawn: impl Fn(
+        &mut tokio::task::JoinSet<()>,
+        std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>,
+    ),
+) {
+    let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    let mut set = tokio::task::JoinSet::new();
+    for _ in 0..reads {
+        if set.len() >= depth {
+            set.join_next().await.unwrap().unwrap();
+        }
+        let n = 1 + (next() % 4) as usize;
+        let first = (next() % (blocks - n + 1) as u64) as usize;
+        let f = f.clone();
+        spawn(
+            &mut set,
+            Box::pin(async move {
+                let buf = AlignedBuf::zeroed(n * ALIGN).unwrap();
+                let (buf, got) = f.read_at(buf, (first * ALIGN) as u64).await.unwrap();
+                assert_eq!(got, n * ALIGN, "another request's byte count");
+                for (k, block) in buf.chunks(ALIGN).enumerate() {
+                    let i = first + k;
+                    assert_eq!(block[..8], (i as u64).to_le_bytes(), "block {i}");
+                    assert!(block[8..].iter().all(|&b| b == i as u8), "block {i} whole");
+                }
+            }),
+        );
+    }
+    while let Some(r) = set.join_next().await {
+        r.unwrap();
+    }
+}
+
+#[test]
+fn deep_concurrent_reads_each_get_their_own_blocks_off_and_on_the_shard() {
+    let dir = scratch();
+    let path = dir.path().join("stamped");
+    let blocks = 1024;
+    stamped_file(&path, blocks);
+    let (d, class) = dispatcher(true);
+    let opts = FileOptions {
+        max_piece: 2 * ALIGN,
+        ..options(Backend::IoUring)
+    };
+    let f = Arc::new(ThrottledFile::open(d.clone(), class, &path, opts).unwrap());
+    // Off the shard: the caller's tasks on an ordinary runtime. (A liveness bound, not a
+    // speed check: a completion lost to another handle leaves its own waiting forever.)
+    let rt = rt();
+    rt.block_on(async {
+        let reads = deep_reads_see_their_own_blocks(f.clone(), blocks, 3000, 64, |set, fut| {
+            set.spawn(fut);
+        });
+        tokio::time::timeout(Duration::from_secs(60), reads)
+            .await
+            .expect("a read never completed")
+    });
+    // On the shard: the reads' tasks run on its own runtime.
+    let on_shard = {
+        let f = f.clone();
+        d.submit(class, IoRequest::tokens(1), async move {
+            deep_reads_see_their_own_blocks(f, blocks, 3000, 64, |set, fut| {
+                set.spawn_local(fut);
+            })
+            .await
+        })
+        .unwrap()
+    };
+    rt.block_on(async { tokio::time::timeout(Duration::from_secs(60), on_shard).await })
+        .expect("a read never completed")
+        .unwrap();
+    // Capped: every completion gave its tokens back (the probe's own once it ended: a round
+    // trip through the shard orders after that).
+    rt.block_on(d.stats());
+    let s = d.bucket_state();
+    assert_eq!(s.ceil.unwrap().wrapping_sub(s.tail), d.limit());
+}

@@ -54,10 +54,20 @@
 //!
 //! Before the criterion groups, `disk/ratios` runs every case in interleaved rounds (each case
 //! once per round, in a fresh random order), so that the noise of a shared machine hits all alike, and prints the median
-//! time per read of each case, its ratio to `direct_io_uring` at the same depth, and the CPU
+//! time per read of each case, its ratio to `direct_io_uring` at the same depth, the CPU
 //! the shard threads used per second of each case (from `/proc/self/task/*/schedstat`), and
-//! while idle. It runs when no filter is given, or the filter names `disk` but not one `read_4k` case, or
+//! while idle, and the CPU the whole process used per read (`getrusage`: the caller's side, the
+//! I/O thread's, and the kernel's work for both). It runs when no filter is given, or the filter names `disk` but not one `read_4k` case, or
 //! names `ratios`.
+//!
+//! For focused comparisons, `IOTHROTTLE_RATIOS_CASES` keeps only the named cases (commas; a
+//! name, or `name/depth`; `direct_io_uring` always stays), `IOTHROTTLE_RATIOS_DEPTH` only one
+//! depth, and `IOTHROTTLE_RATIOS_ROUNDS` sets the number of rounds (31 by default), e.g.
+//!
+//! ```text
+//! IOTHROTTLE_RATIOS_CASES=uring_relay_tokio,throttled_file IOTHROTTLE_RATIOS_DEPTH=32 \
+//!   IOTHROTTLE_RATIOS_ROUNDS=101 cargo bench --bench benches -- disk/ratios
+//! ```
 //!
 //! The scratch file (64 MiB) lives under the target directory, which must be on a real disk.
 //!
@@ -693,6 +703,19 @@ pub fn disk(c: &mut Criterion) {
                 Box::new(move |n, rng| on_shard(rt, dispatcher, class, file, depth, n, rng)),
             ));
         }
+        if let Ok(keep) = std::env::var("IOTHROTTLE_RATIOS_CASES") {
+            // The baseline stays: every ratio is to it.
+            let keep: Vec<&str> = keep.split(',').map(str::trim).collect();
+            cases.retain(|(name, depth, _)| {
+                *name == "direct_io_uring"
+                    || keep
+                        .iter()
+                        .any(|k| *k == *name || *k == format!("{name}/{depth}"))
+            });
+            if let Ok(d) = std::env::var("IOTHROTTLE_RATIOS_DEPTH") {
+                cases.retain(|(_, depth, _)| d.parse() == Ok(*depth));
+            }
+        }
         ratios(&mut cases, &mut rng);
         drop(cases);
         drop(floor_tx);
@@ -806,22 +829,40 @@ fn shard_cpu_ns() -> u64 {
     total
 }
 
+/// Nanoseconds every thread of this process has run on a CPU, user and system time
+/// (`getrusage(RUSAGE_SELF)`, microsecond resolution).
+fn process_cpu_ns() -> u64 {
+    // SAFETY: `rusage` is plain old data; all zeros is a valid value.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: writes one `rusage` into a live local.
+    assert_eq!(unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) }, 0);
+    let ns = |t: libc::timeval| (t.tv_sec as u64 * 1_000_000 + t.tv_usec as u64) * 1_000;
+    ns(ru.ru_utime) + ns(ru.ru_stime)
+}
+
 /// Runs the cases in interleaved rounds (in a fresh random order each round) and prints, per
-/// case, the median time per read, the median of
+/// case, the median time per read, the CPU the whole process used per read (the caller's side,
+/// the shard's, and the kernel's work on their behalf), the median of
 /// its per-round ratios to the direct baseline of the same depth in the same round (robust to
 /// drift: the machine's load changes between rounds, hardly within one), and the shard
 /// threads' CPU use.
 fn ratios(cases: &mut [(&str, usize, Case<'_>)], rng: &mut Rng) {
     const ROUNDS: usize = 31;
+    let rounds = std::env::var("IOTHROTTLE_RATIOS_ROUNDS")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .filter(|&r: &usize| r > 0)
+        .unwrap_or(ROUNDS);
     let reads = |depth: usize| if depth == 1 { 150 } else { 1_500 };
     let k = cases.len();
-    let mut per_read = vec![Vec::with_capacity(ROUNDS); k];
-    let mut cpu = vec![Vec::with_capacity(ROUNDS); k];
+    let mut per_read = vec![Vec::with_capacity(rounds); k];
+    let mut cpu = vec![Vec::with_capacity(rounds); k];
+    let mut process_cpu = vec![Vec::with_capacity(rounds); k];
     // One warm-up round, not counted.
     for (_, depth, run) in cases.iter_mut() {
         run(reads(*depth) as u64 / 2, rng);
     }
-    for _ in 0..ROUNDS {
+    for _ in 0..rounds {
         // A fresh order each round, so that no case always follows the same one.
         let mut order: Vec<usize> = (0..k).collect();
         for j in (1..k).rev() {
@@ -831,11 +872,14 @@ fn ratios(cases: &mut [(&str, usize, Case<'_>)], rng: &mut Rng) {
             let (_, depth, run) = &mut cases[i];
             let n = reads(*depth) as u64;
             let before = shard_cpu_ns();
+            let process_before = process_cpu_ns();
             let took = run(n, rng);
+            let process_used = process_cpu_ns() - process_before;
             let used = shard_cpu_ns() - before;
             // Each case runs once a round: entry `r` is round `r`.
             per_read[i].push(took.as_secs_f64() * 1e6 / n as f64);
             cpu[i].push(used as f64 / took.as_nanos() as f64);
+            process_cpu[i].push(process_used as f64 / 1e3 / n as f64);
         }
     }
     let idle = {
@@ -849,26 +893,27 @@ fn ratios(cases: &mut [(&str, usize, Case<'_>)], rng: &mut Rng) {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
-    println!("disk/ratios: 4 KiB O_DIRECT random reads, {ROUNDS} interleaved rounds, medians");
+    println!("disk/ratios: 4 KiB O_DIRECT random reads, {rounds} interleaved rounds, medians");
     println!(
-        "{:<28} {:>5} {:>10} {:>8} {:>12}",
-        "case", "depth", "µs/read", "ratio", "I/O thr CPU"
+        "{:<28} {:>5} {:>10} {:>8} {:>12} {:>13}",
+        "case", "depth", "µs/read", "ratio", "I/O thr CPU", "CPU µs/read"
     );
     for i in 0..k {
         let (name, depth, _) = &cases[i];
         let base = (0..k)
             .find(|&b| cases[b].0 == "direct_io_uring" && cases[b].1 == *depth)
             .unwrap_or(i);
-        let ratio: Vec<f64> = (0..ROUNDS)
+        let ratio: Vec<f64> = (0..rounds)
             .map(|r| per_read[i][r] / per_read[base][r])
             .collect();
         println!(
-            "{:<28} {:>5} {:>10.1} {:>7.2}× {:>11.0}%",
+            "{:<28} {:>5} {:>10.1} {:>7.2}× {:>11.0}% {:>13.2}",
             name,
             depth,
             median(per_read[i].clone()),
             median(ratio),
-            100.0 * median(cpu[i].clone())
+            100.0 * median(cpu[i].clone()),
+            median(process_cpu[i].clone())
         );
     }
     println!("shard threads while idle (0.5 s): {:.1}% CPU", 100.0 * idle);

@@ -11,7 +11,6 @@
 //! to the device together, as a program driving its own ring would submit them. Elsewhere each
 //! operation is submitted at once.
 
-use std::collections::HashMap;
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -19,6 +18,7 @@ use std::sync::{Mutex, OnceLock};
 use std::task::{Poll, Waker};
 
 use io_uring::{opcode, types, IoUring};
+use slab::Slab;
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 use tokio::sync::oneshot;
@@ -166,11 +166,12 @@ const CQ_ENTRIES: u32 = 4096;
 /// A ring and the operations in flight on it.
 struct Ring {
     ring: IoUring,
-    /// In flight, by `user_data`: where the completion goes and what must outlive the kernel's
-    /// use of it (the file, the buffer). An entry leaves only when its completion is reaped, so
-    /// a dropped (cancelled) future leaves its buffer here until the kernel is done with it.
-    pending: HashMap<u64, (Target, RawIo)>,
-    next: u64,
+    /// In flight, keyed by `user_data`: where the completion goes and what must outlive the
+    /// kernel's use of it (the file, the buffer). An entry leaves only when its completion is
+    /// reaped, so a dropped (cancelled) future leaves its buffer here until the kernel is done
+    /// with it. A key is used again only once its completion was reaped: no two operations in
+    /// flight share a `user_data`.
+    pending: Slab<(Target, RawIo)>,
     /// The owning thread has exited: the reaper stops once `pending` is empty.
     closing: bool,
     /// Who reaps. Invariant: `pending` is empty or `reaper` is not [`Reaper::None`] (a reaper
@@ -200,9 +201,17 @@ impl Ring {
 enum Target {
     /// A oneshot, awaited by [`run`]'s future (on any thread).
     Remote(oneshot::Sender<i32>),
-    /// The owning shard's [`LOCAL_DONE`] entry of the same id: a request that the shard
+    /// The owning shard's [`LOCAL_DONE`] entry of the same key: a request that the shard
     /// submitted when it dispatched it ([`io_task`]), with no future and no task of its own.
     Local,
+}
+
+/// A reaped completion's owner, taken out of the tables under the ring's lock.
+enum Done {
+    Remote(oneshot::Sender<i32>),
+    /// `None` when the shard's table no longer holds it (reaped on another thread after the
+    /// shard's runtime went: its tokens were released then).
+    Local(Option<LocalIo>),
 }
 
 /// Who reaps a ring's completions.
@@ -241,8 +250,7 @@ impl Driver {
         Ok(Arc::new(Driver {
             inner: Mutex::new(Ring {
                 ring,
-                pending: HashMap::new(),
-                next: 0,
+                pending: Slab::new(),
                 closing: false,
                 reaper: Reaper::None,
                 flusher: None,
@@ -318,38 +326,50 @@ impl Driver {
             // one push at a time cost a fifth of the shard's allocation and copying time.
             done = Vec::with_capacity(cq.len());
             for cqe in cq {
-                let id = cqe.user_data();
-                if let Some(p) = pending.remove(&id) {
-                    done.push((id, p, cqe.result()));
-                }
+                let Some((target, io)) = usize::try_from(cqe.user_data())
+                    .ok()
+                    .and_then(|key| pending.try_remove(key).map(|p| (key, p)))
+                    .map(|(key, (target, io))| (take_target(key, target), io))
+                else {
+                    continue;
+                };
+                done.push((target, io, cqe.result()));
             }
             if !done.is_empty() {
                 g.last_batch = done.len();
             }
             stop(&mut g)
         };
-        for (id, (target, io), res) in done {
+        for (target, io, res) in done {
             // The kernel is done with the buffer: drop our hold on it before waking the owner,
             // so that the owner finds it unshared.
             drop(io);
             match target {
-                Target::Remote(tx) => {
+                Done::Remote(tx) => {
                     let _ = tx.send(res);
                 }
-                // On any other thread (a reaper thread, after the shard's runtime went) the
-                // table is empty: the shard dropped its entries with the runtime.
-                Target::Local => {
-                    if let Some(local) = LOCAL_DONE
-                        .try_with(|t| t.borrow_mut().remove(&id))
-                        .ok()
-                        .flatten()
-                    {
-                        local.finish(res);
-                    }
-                }
+                Done::Local(Some(local)) => local.finish(res),
+                Done::Local(None) => {}
             }
         }
         exit
+    }
+}
+
+/// Where the completion of the operation reaped under `key` goes. A shard's own operation is
+/// taken out of [`LOCAL_DONE`] at once, under the ring's lock, so that the key is free in both
+/// tables before another operation can take it. On any other thread (a reaper thread, after the
+/// shard's runtime went) the table holds nothing: the shard dropped its entries with the
+/// runtime.
+fn take_target(key: usize, target: Target) -> Done {
+    match target {
+        Target::Remote(tx) => Done::Remote(tx),
+        Target::Local => Done::Local(
+            LOCAL_DONE
+                .try_with(|t| t.borrow_mut().get_mut(key).and_then(Option::take))
+                .ok()
+                .flatten(),
+        ),
     }
 }
 
@@ -561,18 +581,28 @@ thread_local! {
 
 type SubmitFailure = (io::Error, Option<RawIo>);
 
-fn local_driver() -> io::Result<Arc<Driver>> {
-    LOCAL
-        .try_with(|l| {
-            let mut l = l.borrow_mut();
-            if let Some(d) = &l.0 {
-                return Ok(d.clone());
-            }
-            let d = Driver::new()?;
-            l.0 = Some(d.clone());
-            Ok(d)
-        })
-        .unwrap_or_else(|_| Err(io::Error::other("thread is exiting")))
+/// Runs `f` with the calling thread's ring, set up on first use (no reference count is taken:
+/// an operation costs no atomic for it).
+fn with_local_driver<R>(f: impl FnOnce(io::Result<&Arc<Driver>>) -> R) -> R {
+    let mut f = Some(f);
+    let outcome = LOCAL.try_with(|l| {
+        let f = f.take().expect("called once");
+        if let Some(d) = &l.borrow().0 {
+            return f(Ok(d));
+        }
+        let made = Driver::new();
+        let d = match made {
+            Ok(d) => l.borrow_mut().0.insert(d).clone(),
+            Err(e) => return f(Err(e)),
+        };
+        f(Ok(&d))
+    });
+    match outcome {
+        Ok(r) => r,
+        Err(_) => (f.take().expect("not called: the thread is exiting"))(Err(io::Error::other(
+            "thread is exiting",
+        ))),
+    }
 }
 
 fn uring_submit(io: RawIo) -> Result<oneshot::Receiver<i32>, SubmitFailure> {
@@ -587,12 +617,21 @@ fn uring_submit(io: RawIo) -> Result<oneshot::Receiver<i32>, SubmitFailure> {
 fn uring_push(
     io: RawIo,
     local: bool,
-    target: impl FnOnce(u64) -> Target,
+    target: impl FnOnce(usize) -> Target,
 ) -> Result<(), SubmitFailure> {
-    let driver = match local_driver() {
-        Ok(d) => d,
-        Err(e) => return Err((e, Some(io))),
-    };
+    with_local_driver(|driver| match driver {
+        Ok(driver) => push_on(driver, io, local, target),
+        Err(e) => Err((e, Some(io))),
+    })
+}
+
+/// [`uring_push`] on `driver`, the calling thread's ring.
+fn push_on(
+    driver: &Arc<Driver>,
+    io: RawIo,
+    local: bool,
+    target: impl FnOnce(usize) -> Target,
+) -> Result<(), SubmitFailure> {
     let fd = types::Fd(io.file.as_raw_fd());
     let len = match u32::try_from(io.len) {
         Ok(l) => l,
@@ -603,15 +642,15 @@ fn uring_push(
         return Err((io::Error::from_raw_os_error(libc::EBUSY), Some(io)));
     }
     if g.reaper == Reaper::None {
-        if let Err(e) = start_reaper(&driver, &mut g) {
+        if let Err(e) = start_reaper(driver, &mut g) {
             return Err((e, Some(io)));
         }
     }
     if local && g.reaper != Reaper::Task {
         return Err((io::Error::other("not reaped on this thread"), Some(io)));
     }
-    let id = g.next;
-    g.next = g.next.wrapping_add(1);
+    // The key the entry gets below (nothing is inserted or removed in between).
+    let id = g.pending.vacant_key();
     let entry = match io.kind {
         OpKind::Read => opcode::Read::new(fd, io.ptr(), len)
             .offset(io.offset)
@@ -624,7 +663,7 @@ fn uring_push(
             .mode(libc::FALLOC_FL_KEEP_SIZE)
             .build(),
     }
-    .user_data(id);
+    .user_data(id as u64);
     // SAFETY: the entry's buffer (`io.buf`, range `start..start+len`) and file stay alive until
     // the reaper takes the completion: `io` goes into `pending` below, before the entry can be
     // submitted, and only the reaper removes it, after the kernel posted the completion.
@@ -638,7 +677,8 @@ fn uring_push(
             return Err((io::Error::from_raw_os_error(libc::EBUSY), Some(io)));
         }
     }
-    g.pending.insert(id, (target(id), io));
+    let key = g.pending.insert((target(id), io));
+    debug_assert_eq!(key, id);
     if g.reaper == Reaper::Task {
         // On a shard: the flush task submits it with whatever else this round queues.
         let wake = if g.flush_due {
@@ -699,7 +739,13 @@ impl Task for IoTask {
             let mut local = Some(LocalIo { tx, done });
             match uring_push(io, true, |id| {
                 if let Some(l) = local.take() {
-                    let _ = LOCAL_DONE.try_with(|t| t.borrow_mut().insert(id, l));
+                    let _ = LOCAL_DONE.try_with(|t| {
+                        let mut t = t.borrow_mut();
+                        if t.len() <= id {
+                            t.resize_with(id + 1, || None);
+                        }
+                        t[id] = Some(l);
+                    });
                 }
                 Target::Local
             }) {
@@ -744,11 +790,11 @@ impl LocalIo {
 }
 
 thread_local! {
-    /// A shard's operations in flight that it submitted itself, by `user_data` (see
-    /// [`Target::Local`]). Only the shard's own thread touches it: the completion holds the
-    /// shard's state, which never leaves its thread.
-    static LOCAL_DONE: std::cell::RefCell<HashMap<u64, LocalIo>> =
-        std::cell::RefCell::new(HashMap::new());
+    /// A shard's operations in flight that it submitted itself, at the index of their key in
+    /// the ring's `pending` slab (see [`Target::Local`]). Only the shard's own thread touches
+    /// it: the completion holds the shard's state, which never leaves its thread.
+    static LOCAL_DONE: std::cell::RefCell<Vec<Option<LocalIo>>> =
+        const { std::cell::RefCell::new(Vec::new()) };
 }
 
 // ---- the blocking pool --------------------------------------------------------------------------
@@ -945,7 +991,7 @@ mod tests {
     fn local_ops(d: &Dispatcher, class: crate::dispatcher::ClassId) -> usize {
         let probe = d
             .submit(class, IoRequest::tokens(1), async {
-                LOCAL_DONE.with(|t| t.borrow().len())
+                LOCAL_DONE.with(|t| t.borrow().iter().flatten().count())
             })
             .unwrap();
         reaped_within_a_minute(probe).unwrap()
@@ -966,12 +1012,12 @@ mod tests {
         let (mut rd, wr) = full_pipe();
         let kept = Arc::new(AlignedBuf::from_slice(&vec![7u8; page]).unwrap());
         let dropped = Arc::new(AlignedBuf::from_slice(&vec![8u8; page]).unwrap());
+        let write = IoRequest::write(page as u64);
+        let cost = d.cost(&write);
         let (task, handle) = io_task(Resolved::IoUring, page_write(&wr, &kept));
-        d.submit_task(class, IoRequest::write(page as u64), task)
-            .unwrap();
+        d.submit_costed(class, write, cost, task).unwrap();
         let (task, handle_dropped) = io_task(Resolved::IoUring, page_write(&wr, &dropped));
-        d.submit_task(class, IoRequest::write(page as u64), task)
-            .unwrap();
+        d.submit_costed(class, write, cost, task).unwrap();
         // Polled, not timed: the pipe is full, so both writes wait in the kernel.
         while in_flight_and_completed(&d).0 < 2 {
             std::thread::sleep(Duration::from_millis(1));

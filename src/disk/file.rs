@@ -251,22 +251,23 @@ impl ThrottledFile {
             IoKind::Read => ("read", OpKind::Read, IoRequest::read),
             IoKind::Write => ("write", OpKind::Write, IoRequest::write),
         };
-        let pieces = self.pieces(len);
-        // Every piece must fit a request before the first is submitted: a refusal half-way
-        // would leave a write half-done.
-        for (_, plen) in pieces.clone() {
+        // The first piece is the largest and the cost grows with the bytes: if it fits a
+        // request, every piece does. Checked before anything is submitted, as a refusal
+        // half-way would leave a write half-done.
+        let costed = |plen: usize| {
             let req = request(plen as u64);
-            let cost = self.dispatcher.cost(&req);
-            if cost > self.dispatcher.max_cost() {
-                return Err(DiskError::Submit(SubmitError::TooLarge {
-                    cost,
-                    max_cost: self.dispatcher.max_cost(),
-                    max_bytes: self
-                        .dispatcher
-                        .disk()
-                        .max_bytes_within(kind, self.dispatcher.max_cost()),
-                }));
-            }
+            (req, self.dispatcher.cost(&req))
+        };
+        let (first, first_cost) = costed(len.min(self.max_piece));
+        if first_cost > self.dispatcher.max_cost() {
+            return Err(DiskError::Submit(SubmitError::TooLarge {
+                cost: first_cost,
+                max_cost: self.dispatcher.max_cost(),
+                max_bytes: self
+                    .dispatcher
+                    .disk()
+                    .max_bytes_within(kind, self.dispatcher.max_cost()),
+            }));
         }
         if kind == IoKind::Write && self.reserve {
             let reserve = RawIo {
@@ -282,9 +283,7 @@ impl ThrottledFile {
                 .map_err(|e| self.io_error("reserve (fallocate)", offset, len, e))?;
         }
         let shared = Arc::new(buf);
-        let mut handles: Vec<IoHandle<io::Result<usize>>> =
-            Vec::with_capacity(len.div_ceil(self.max_piece));
-        for (start, plen) in pieces.clone() {
+        let submit = |start: usize, plen: usize, (req, cost): (IoRequest, u64)| {
             let io = RawIo {
                 kind: opkind,
                 file: self.file.clone(),
@@ -295,15 +294,40 @@ impl ThrottledFile {
             };
             let (task, handle) = backend::io_task(self.backend, io);
             self.dispatcher
-                .submit_task(self.class, request(plen as u64), task)?;
-            handles.push(handle);
-        }
-        // Wait for every piece, even after a failure, so that no piece is still in flight
-        // when this returns.
+                .submit_costed(self.class, req, cost, task)
+                .map(|()| handle)
+        };
+        let done = if len <= self.max_piece {
+            // One piece (a 4 KiB read): no list of handles.
+            let handle = submit(0, len, (first, first_cost))?;
+            self.settle(op, offset, std::iter::once((handle, (0, len))))
+                .await?
+        } else {
+            let pieces = self.pieces(len);
+            let mut handles: Vec<IoHandle<io::Result<usize>>> =
+                Vec::with_capacity(len.div_ceil(self.max_piece));
+            for (start, plen) in pieces.clone() {
+                handles.push(submit(start, plen, costed(plen))?);
+            }
+            self.settle(op, offset, handles.into_iter().zip(pieces))
+                .await?
+        };
+        Ok((reclaim(shared), done))
+    }
+
+    /// Waits for every piece, even after a failure, so that no piece is still in flight when
+    /// this returns; returns the bytes done by the leading pieces done in full, plus the first
+    /// short one, or the first error.
+    async fn settle(
+        &self,
+        op: &'static str,
+        offset: u64,
+        pieces: impl Iterator<Item = (IoHandle<io::Result<usize>>, (usize, usize))>,
+    ) -> Result<usize, DiskError> {
         let mut done = 0usize;
         let mut contiguous = true;
         let mut first_err = None;
-        for (handle, (start, plen)) in handles.into_iter().zip(pieces) {
+        for (handle, (start, plen)) in pieces {
             match handle.await {
                 Ok(Ok(n)) => {
                     if contiguous {
@@ -320,10 +344,10 @@ impl ThrottledFile {
                 }
             }
         }
-        if let Some(e) = first_err {
-            return Err(e);
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(done),
         }
-        Ok((reclaim(shared), done))
     }
 }
 

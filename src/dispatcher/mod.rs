@@ -988,17 +988,6 @@ impl Dispatcher {
         Ok(handle)
     }
 
-    /// [`submit`](Self::submit) of a task that delivers its own result (the disk module's
-    /// operations, which need no future on the shard).
-    pub(crate) fn submit_task(
-        &self,
-        class: ClassId,
-        request: IoRequest,
-        task: BoxTask,
-    ) -> Result<(), SubmitError> {
-        self.submit_task_to(self.pick_shard(), class, request, task)
-    }
-
     fn submit_task_to(
         &self,
         shard: usize,
@@ -1006,8 +995,34 @@ impl Dispatcher {
         request: IoRequest,
         task: BoxTask,
     ) -> Result<(), SubmitError> {
-        self.check(shard, class)?;
         let cost = self.shared.disk.cost(&request);
+        self.submit_costed_to(shard, class, request, cost, task)
+    }
+
+    /// [`submit`](Self::submit) of a task that delivers its own result (the disk module's
+    /// operations, which need no future on the shard), for a request whose cost the caller
+    /// has computed already ([`cost`](Self::cost) of `request`: the disk module checks it
+    /// before it submits anything).
+    pub(crate) fn submit_costed(
+        &self,
+        class: ClassId,
+        request: IoRequest,
+        cost: u64,
+        task: BoxTask,
+    ) -> Result<(), SubmitError> {
+        self.submit_costed_to(self.pick_shard(), class, request, cost, task)
+    }
+
+    fn submit_costed_to(
+        &self,
+        shard: usize,
+        class: ClassId,
+        request: IoRequest,
+        cost: u64,
+        task: BoxTask,
+    ) -> Result<(), SubmitError> {
+        debug_assert_eq!(cost, self.shared.disk.cost(&request));
+        self.check(shard, class)?;
         if cost > self.shared.max_cost {
             return Err(self.too_large(&request, cost));
         }

@@ -88,17 +88,33 @@ struct InFlight {
     shared: Arc<Shared>,
     /// The shard's core, to record completions in its stats (gone once the shard stopped).
     core: Weak<RefCell<ShardCore<BoxTask>>>,
-    /// The shard's last activity (a message received, a request dispatched or ended), in
-    /// wall-clock time: an idle shard polls until [`Shared::idle_poll`] after it.
-    active: Cell<Instant>,
+    /// Counts the shard's activity (a message received, a request dispatched or ended): an
+    /// idle shard polls until [`Shared::idle_poll`] after it last saw the count move.
+    activity: Activity,
+}
+
+/// A count of a shard's activity, for its idle poll. A count, not a time: recording activity
+/// costs no clock read (a shard would otherwise read the clock several times per request);
+/// the idle poll reads the clock once per round anyway and dates a change of the count to the
+/// round that sees it, at most one round (a few microseconds) late.
+#[derive(Debug, Default)]
+struct Activity(Cell<u64>);
+
+impl Activity {
+    /// Records activity.
+    fn touch(&self) {
+        self.0.set(self.0.get().wrapping_add(1));
+    }
+
+    fn count(&self) -> u64 {
+        self.0.get()
+    }
 }
 
 impl InFlight {
-    /// Records activity now, for the idle poll; no clock read when polling is off.
+    /// Records activity, for the idle poll.
     fn touch(&self) {
-        if !self.shared.idle_poll.is_zero() {
-            self.active.set(Instant::now());
-        }
+        self.activity.touch();
     }
 }
 
@@ -288,6 +304,9 @@ struct IdlePoll {
     preempted: Duration,
     /// No polling before this (the core was found contended).
     backoff_until: Option<Instant>,
+    /// The activity count last seen, and when it was first seen (the last activity's time, to
+    /// within one round).
+    seen: Option<(u64, Instant)>,
 }
 
 impl IdlePoll {
@@ -306,7 +325,7 @@ impl IdlePoll {
     async fn poll(
         &mut self,
         rx: &UnboundedReceiver<Msg>,
-        active: &Cell<Instant>,
+        activity: &Activity,
         mut reap: impl FnMut() -> usize,
     ) -> bool {
         if self.time.is_zero() {
@@ -316,6 +335,17 @@ impl IdlePoll {
         if self.backoff_until.is_some_and(|t| last < t) {
             return false;
         }
+        // Dates the last activity: the first round that sees the count move.
+        let mut active_at = |now: Instant| -> Instant {
+            let count = activity.count();
+            match self.seen {
+                Some((seen, at)) if seen == count => at,
+                _ => {
+                    self.seen = Some((count, now));
+                    now
+                }
+            }
+        };
         // Read only once the shard does poll (a system call): a shard that parks at once
         // (too much in flight) pays nothing for it.
         let mut last_cpu = None;
@@ -324,7 +354,7 @@ impl IdlePoll {
                 return true;
             }
             // io_uring completions already posted reach their futures now; they run below.
-            if last.saturating_duration_since(active.get()) >= self.time
+            if last.saturating_duration_since(active_at(last)) >= self.time
                 || reap() > POLL_MAX_IN_FLIGHT
             {
                 return false;
@@ -358,12 +388,13 @@ async fn run(
         idle: Notify::new(),
         shared: shared.clone(),
         core: Rc::downgrade(&core),
-        active: Cell::new(Instant::now()),
+        activity: Activity::default(),
     });
     let mut idle_poll = IdlePoll {
         time: shared.idle_poll,
         preempted: PREEMPTED,
         backoff_until: None,
+        seen: None,
     };
     let mut closing: Option<ShutdownMode> = None;
     let mut open = true;
@@ -429,7 +460,7 @@ async fn run(
             Next::Idle => {
                 if open
                     && idle_poll
-                        .poll(&rx, &inflight.active, || {
+                        .poll(&rx, &inflight.activity, || {
                             crate::disk::reap_here(POLL_MAX_IN_FLIGHT)
                         })
                         .await
@@ -591,6 +622,7 @@ mod tests {
             time,
             preempted: Duration::MAX,
             backoff_until: None,
+            seen: None,
         }
     }
 
@@ -611,8 +643,8 @@ mod tests {
         on_local(async {
             let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Msg>();
             tx.send(Msg::Wake).unwrap();
-            let active = Cell::new(Instant::now());
-            assert!(!uncontended(Duration::ZERO).poll(&rx, &active, || 0).await);
+            let activity = Activity::default();
+            assert!(!uncontended(Duration::ZERO).poll(&rx, &activity, || 0).await);
             assert!(matches!(rx.try_recv(), Ok(Msg::Wake)));
         });
     }
@@ -621,11 +653,47 @@ mod tests {
     fn the_idle_poll_ends_once_its_time_since_the_last_activity_is_up() {
         on_local(async {
             let (_tx, rx) = tokio::sync::mpsc::unbounded_channel::<Msg>();
-            let active = Cell::new(Instant::now());
+            let (activity, start) = (Activity::default(), Instant::now());
             let mut poll = uncontended(Duration::from_millis(1));
-            assert!(!poll.poll(&rx, &active, || 0).await);
-            assert!(active.get().elapsed() >= Duration::from_millis(1));
+            assert!(!poll.poll(&rx, &activity, || 0).await);
+            assert!(start.elapsed() >= Duration::from_millis(1));
             assert!(poll.backoff_until.is_none());
+        });
+    }
+
+    /// Activity is a count, dated by the round that sees it move: activity while the shard
+    /// polls (a completion, a dispatch) restarts the poll time from that round; a poll that
+    /// starts with no activity since the last one ended parks at once.
+    #[test]
+    fn activity_seen_while_polling_restarts_the_poll_time() {
+        on_local(async {
+            let (_tx, rx) = tokio::sync::mpsc::unbounded_channel::<Msg>();
+            let activity = Rc::new(Activity::default());
+            let time = Duration::from_millis(2);
+            let mut poll = uncontended(time);
+            // A task on the shard that records activity for 6 ms (three poll times).
+            let busy = {
+                let activity = activity.clone();
+                tokio::task::spawn_local(async move {
+                    let start = Instant::now();
+                    while start.elapsed() < 3 * time {
+                        activity.touch();
+                        tokio::task::yield_now().await;
+                    }
+                    Instant::now()
+                })
+            };
+            assert!(!poll.poll(&rx, &activity, || 0).await);
+            let ended = Instant::now();
+            let last_touch = busy.await.unwrap();
+            assert!(
+                ended.saturating_duration_since(last_touch) >= time,
+                "the poll ended {:?} after the last activity",
+                ended.saturating_duration_since(last_touch)
+            );
+            // Nothing since: the next poll parks at once.
+            assert!(!poll.poll(&rx, &activity, || 0).await);
+            assert_eq!(poll.seen.map(|(count, _)| count), Some(activity.count()));
         });
     }
 
@@ -633,7 +701,7 @@ mod tests {
     fn a_message_sent_while_the_shard_polls_is_taken_without_parking() {
         on_local(async {
             let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Msg>();
-            let active = Cell::new(Instant::now());
+            let activity = Activity::default();
             // Another task on the shard sends after a few rounds (a request submitted from
             // the shard itself, or one whose completion arrives through the driver).
             let send = tokio::task::spawn_local(async move {
@@ -644,7 +712,7 @@ mod tests {
             });
             assert!(
                 uncontended(Duration::from_secs(3600))
-                    .poll(&rx, &active, || 0)
+                    .poll(&rx, &activity, || 0)
                     .await
             );
             send.await.unwrap();
@@ -656,13 +724,13 @@ mod tests {
     fn a_shard_with_more_than_one_operation_in_flight_parks_at_once() {
         on_local(async {
             let (_tx, rx) = tokio::sync::mpsc::unbounded_channel::<Msg>();
-            let active = Cell::new(Instant::now());
+            let activity = Activity::default();
             let mut poll = uncontended(Duration::from_secs(3600));
-            assert!(!poll.poll(&rx, &active, || 2).await);
+            assert!(!poll.poll(&rx, &activity, || 2).await);
             // One in flight: polls (until a message comes).
             let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Msg>();
             tx.send(Msg::Wake).unwrap();
-            assert!(poll.poll(&rx, &active, || 1).await);
+            assert!(poll.poll(&rx, &activity, || 1).await);
         });
     }
 
@@ -673,7 +741,7 @@ mod tests {
             // Retried until a poll ran without the OS preempting the thread (the tests run on
             // a loaded machine; a preemption may rightly end the poll).
             loop {
-                let active = Cell::new(Instant::now());
+                let (activity, start) = (Activity::default(), Instant::now());
                 let mut poll = uncontended(Duration::from_millis(20));
                 poll.preempted = PREEMPTED;
                 // A woken future that blocks for a millisecond (as a submission waiting for
@@ -683,7 +751,7 @@ mod tests {
                     std::thread::sleep(Duration::from_millis(1));
                 });
                 let (_, switches) = thread_usage();
-                let parked = !poll.poll(&rx, &active, || 0).await;
+                let parked = !poll.poll(&rx, &activity, || 0).await;
                 blocks.await.unwrap();
                 if thread_usage().1 != switches {
                     continue;
@@ -693,7 +761,7 @@ mod tests {
                     poll.backoff_until.is_none(),
                     "took a sleep for a preemption"
                 );
-                assert!(active.get().elapsed() >= Duration::from_millis(20));
+                assert!(start.elapsed() >= Duration::from_millis(20));
                 break;
             }
         });
@@ -725,17 +793,17 @@ mod tests {
             let mut got = None;
             on_local(async {
                 let (_tx, rx) = tokio::sync::mpsc::unbounded_channel::<Msg>();
-                let active = Cell::new(Instant::now());
+                let activity = Activity::default();
                 let mut poll = uncontended(Duration::from_secs(3600));
                 poll.preempted = PREEMPTED;
                 let before = Instant::now();
-                assert!(!poll.poll(&rx, &active, || 0).await);
+                assert!(!poll.poll(&rx, &activity, || 0).await);
                 let until = poll.backoff_until.expect("backing off");
                 assert!(until >= before + CONTENDED_BACKOFF);
                 // While backing off it parks at once, though its poll time is far from up.
                 poll.backoff_until = Some(Instant::now() + Duration::from_secs(3600));
-                active.set(Instant::now());
-                assert!(!poll.poll(&rx, &active, || 0).await);
+                activity.touch();
+                assert!(!poll.poll(&rx, &activity, || 0).await);
                 got = Some(());
             });
             got
