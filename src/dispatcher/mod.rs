@@ -483,8 +483,10 @@ impl DispatcherBuilder {
     /// time of its last activity (a quiet dispatcher uses no CPU). A polling round in which the
     /// OS preempted the thread and it was off its CPU for over 50 µs means another thread
     /// wants the core: the shard then parks at once whenever idle for the next 10 ms, so
-    /// polling does not compete with the application's threads. The bound is wall-clock time (`Instant`), not the
-    /// dispatcher's [`clock`](Self::clock).
+    /// polling does not compete with the application's threads. The bound is wall-clock time
+    /// (`Instant`), not the dispatcher's [`clock`](Self::clock), counted from the polling round
+    /// that first sees the activity (activity is counted, not timed, so that a request costs
+    /// the shard no clock read for it: the last activity is dated up to one round late).
     pub fn idle_poll(mut self, time: Duration) -> Self {
         self.idle_poll = time;
         self
