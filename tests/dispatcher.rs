@@ -1105,6 +1105,111 @@ fn a_panicking_start_hook_is_an_error_not_a_panic() {
     assert_eq!((ran, ended), (3, 3));
 }
 
+/// Stop hooks: each shard's runs once, on its own thread, after every request it dispatched
+/// ended and before `shutdown` returns; none runs while the dispatcher lives.
+#[test]
+fn stop_hook_runs_once_on_each_shard_thread_after_its_last_request() {
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    // Per shard: its request has ended.
+    let finished: Arc<Vec<AtomicU64>> = Arc::new((0..3).map(|_| AtomicU64::new(0)).collect());
+    let (s, f) = (seen.clone(), finished.clone());
+    let mut b = Dispatcher::builder()
+        .disk(NVME)
+        .shards(3)
+        .pin_threads(false)
+        .on_shard_stop(move |shard| {
+            let name = std::thread::current().name().map(str::to_owned);
+            // Whether this shard's request had ended when its hook ran.
+            s.lock()
+                .unwrap()
+                .push((shard, name, f[shard].load(Ordering::SeqCst)));
+        });
+    let c = b.add_class(ClassConfig::new("c", 1)).unwrap();
+    let d = b.build().unwrap();
+    // A slow request on each shard, still running when the shutdown starts.
+    let handles: Vec<_> = (0..3)
+        .map(|shard| {
+            let f = finished.clone();
+            d.submit_to(shard, c, IoRequest::read(4096), async move {
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                f[shard].store(1, Ordering::SeqCst);
+            })
+            .unwrap()
+        })
+        .collect();
+    assert!(seen.lock().unwrap().is_empty(), "no hook while running");
+    d.shutdown();
+    let mut seen = seen.lock().unwrap().clone();
+    seen.sort();
+    assert_eq!(
+        seen.len(),
+        3,
+        "once per shard, all before shutdown returned"
+    );
+    for (i, (shard, name, done)) in seen.into_iter().enumerate() {
+        assert_eq!(shard, i);
+        assert_eq!(
+            name,
+            Some(format!("iothrottle-shard-{i}")),
+            "on its own thread"
+        );
+        assert_eq!(done, 1, "shard {i}'s hook ran before its request ended");
+    }
+    let rt = rt();
+    for h in handles {
+        assert_eq!(rt.block_on(h), Ok(()));
+    }
+}
+
+/// A failed build stops the shards it started: their stop hooks run, the failed shard's and
+/// the never-started shard's do not.
+#[test]
+fn a_failed_build_runs_the_stop_hooks_of_the_started_shards_only() {
+    let stopped = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let s = stopped.clone();
+    let mut b = Dispatcher::builder()
+        .disk(NVME)
+        .shards(4)
+        .pin_threads(false)
+        .on_shard_start(|shard| match shard {
+            2 => Err(std::io::Error::other("no")),
+            _ => Ok(()),
+        })
+        .on_shard_stop(move |shard| s.lock().unwrap().push(shard));
+    b.add_class(ClassConfig::new("c", 1)).unwrap();
+    assert!(matches!(
+        b.build(),
+        Err(BuildError::ShardStart { shard: 2, .. })
+    ));
+    let mut stopped = stopped.lock().unwrap().clone();
+    stopped.sort();
+    assert_eq!(stopped, [0, 1]);
+}
+
+/// A panicking stop hook is caught on its shard and counted; the other shards' hooks run and
+/// the shutdown completes.
+#[test]
+fn a_panicking_stop_hook_is_counted_not_propagated() {
+    let ran = Arc::new(AtomicU64::new(0));
+    let r = ran.clone();
+    let mut b = Dispatcher::builder()
+        .disk(NVME)
+        .shards(2)
+        .pin_threads(false)
+        .on_shard_stop(move |shard| {
+            r.fetch_add(1, Ordering::SeqCst);
+            if shard == 0 {
+                panic!("stop hook exploded");
+            }
+        });
+    b.add_class(ClassConfig::new("c", 1)).unwrap();
+    let d = b.build().unwrap();
+    assert_eq!(d.panics(), 0);
+    d.shutdown();
+    assert_eq!(ran.load(Ordering::SeqCst), 2);
+    assert_eq!(d.panics(), 1, "the stop hook's panic, caught on its shard");
+}
+
 /// The scheduling policy of each shard of `d`, read on the shard.
 #[cfg(target_os = "linux")]
 fn shard_policies(d: &Dispatcher, c: ClassId) -> Vec<i32> {

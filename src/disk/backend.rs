@@ -180,6 +180,9 @@ struct Ring {
     reaper: Reaper,
     /// The flush task's waker, once it has run (only when `reaper` is [`Reaper::Task`]).
     flusher: Option<Waker>,
+    /// Counts the reaper tasks started on this ring: a flush task serves the one it was
+    /// started with, and ends once that one has given up the ring.
+    tasks: u64,
     /// Entries are queued for the flush task and it has been woken (or not yet run): the next
     /// deferred submission need not wake it again.
     flush_due: bool,
@@ -254,6 +257,7 @@ impl Driver {
                 closing: false,
                 reaper: Reaper::None,
                 flusher: None,
+                tasks: 0,
                 flush_due: false,
                 enters: 0,
                 last_batch: 0,
@@ -387,8 +391,9 @@ fn start_reaper(driver: &Arc<Driver>, g: &mut Ring) -> io::Result<()> {
                 let afd = unsafe {
                     AsyncFd::register_with_interest(EventFd(driver.clone()), Interest::READABLE)
                 }?;
+                g.tasks += 1;
                 handle.spawn(reap_task(afd));
-                handle.spawn(flush_task(driver.clone()));
+                handle.spawn(flush_task(driver.clone(), g.tasks));
                 g.reaper = Reaper::Task;
                 // Until the flush task first runs (it then submits what is queued) there is no
                 // waker to call.
@@ -428,11 +433,16 @@ impl Drop for TaskGuard {
         if g.reaper != Reaper::Task {
             return;
         }
-        // The flush task goes with the runtime: whoever reaps next submits what is queued.
-        g.flusher = None;
+        // The flush task goes with the runtime, or ends when woken should the runtime live on
+        // (this task stopped on an error): whoever reaps next submits what is queued.
+        let flusher = g.flusher.take();
         g.flush_due = false;
         if g.pending.is_empty() {
             g.reaper = Reaper::None;
+            drop(g);
+            if let Some(w) = flusher {
+                w.wake();
+            }
             return;
         }
         match spawn_reaper_thread(self.0.clone(), true) {
@@ -441,9 +451,12 @@ impl Drop for TaskGuard {
                 // Nobody can reap: never free a buffer the kernel may still write. Leak the
                 // ring and what it holds instead.
                 tracing::error!("cannot start an io_uring reaper thread ({e}); leaking the ring");
-                drop(g);
                 std::mem::forget(self.0.clone());
             }
+        }
+        drop(g);
+        if let Some(w) = flusher {
+            w.wake();
         }
     }
 }
@@ -469,13 +482,18 @@ async fn reap_task(afd: AsyncFd<EventFd>) {
     }
 }
 
-/// The flush task of a shard's ring: each time it is woken, it submits every entry queued
-/// since its last run with one `io_uring_enter`. It never ends; when the runtime drops it,
-/// entries still queued are submitted by whoever reaps next (the task reaper, or the thread the
-/// ring is handed to), which submits a non-empty queue before reaping.
-async fn flush_task(driver: Arc<Driver>) {
+/// The flush task of a shard's ring, started with the `task`-th reaper task: each time it is
+/// woken, it submits every entry queued since its last run with one `io_uring_enter`. It ends
+/// once that reaper task has given up the ring (its runtime went, or it stopped on an error and
+/// the ring went to a thread); entries still queued are submitted by whoever reaps next (the
+/// task reaper, or the thread the ring is handed to), which submits a non-empty queue before
+/// reaping.
+async fn flush_task(driver: Arc<Driver>, task: u64) {
     std::future::poll_fn(|cx| {
         let mut g = driver.lock();
+        if g.reaper != Reaper::Task || g.tasks != task {
+            return Poll::Ready(());
+        }
         g.flush_due = false;
         if !g.ring.submission().is_empty() {
             if let Err(e) = g.submit() {
@@ -490,7 +508,7 @@ async fn flush_task(driver: Arc<Driver>) {
         if !g.flusher.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
             g.flusher = Some(cx.waker().clone());
         }
-        Poll::<()>::Pending
+        Poll::Pending
     })
     .await
 }
@@ -1321,6 +1339,55 @@ mod tests {
             })
             .unwrap();
         reaped_within_a_minute(job).unwrap();
+    }
+
+    /// A reaper task that stops while its runtime lives on (its eventfd not pollable) hands the
+    /// ring over; the flush task started with it must end too, not stay parked for ever. One
+    /// started with an earlier reaper task ends as well, while the current one runs.
+    #[test]
+    fn a_flush_task_ends_once_its_reaper_task_gave_up_the_ring() {
+        if uring_available().is_err() {
+            eprintln!("io_uring unavailable: skipped");
+            return;
+        }
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let driver = Driver::new().unwrap();
+            // As `start_reaper` leaves a ring on a shard, with `n` reaper tasks started so far.
+            let start = |n: u64| {
+                let mut g = driver.lock();
+                g.reaper = Reaper::Task;
+                g.tasks = n;
+                tokio::spawn(flush_task(driver.clone(), n))
+            };
+            let runs = |flush: &tokio::task::JoinHandle<()>| {
+                let registered = driver.lock().flusher.is_some();
+                registered && !flush.is_finished()
+            };
+            let flush = start(1);
+            while !runs(&flush) {
+                tokio::task::yield_now().await;
+            }
+            drop(TaskGuard(driver.clone()));
+            assert_eq!(driver.lock().reaper, Reaper::None, "nothing was in flight");
+            tokio::time::timeout(Duration::from_secs(60), flush)
+                .await
+                .expect("the flush task never ended")
+                .unwrap();
+            // A flush task of an earlier reaper task ends when it runs; the current one stays.
+            let (old, current) = (start(1), start(2));
+            tokio::time::timeout(Duration::from_secs(60), old)
+                .await
+                .expect("the earlier flush task never ended")
+                .unwrap();
+            while !runs(&current) {
+                tokio::task::yield_now().await;
+            }
+            current.abort();
+        });
     }
 
     #[test]

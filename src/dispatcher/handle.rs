@@ -46,7 +46,7 @@ thread_local! {
     static PANICS: Cell<u64> = const { Cell::new(0) };
 }
 
-fn count_panic() {
+pub(crate) fn count_panic() {
     PANICS.with(|p| p.set(p.get() + 1));
 }
 

@@ -311,6 +311,7 @@ pub struct DispatcherBuilder {
     pin: bool,
     idle_poll: Duration,
     start_hook: Option<runner::StartHook>,
+    stop_hook: Option<runner::StopHook>,
     classes: Vec<ClassConfig>,
     clock: ArcClock,
     /// The checkpointed bucket's own bucket and its gate ([`checkpoint`](Self::checkpoint)).
@@ -330,6 +331,7 @@ impl fmt::Debug for DispatcherBuilder {
             .field("batch", &self.batch)
             .field("capped", &self.capped)
             .field("on_shard_start", &self.start_hook.is_some())
+            .field("on_shard_stop", &self.stop_hook.is_some())
             .field("classes", &self.classes)
             .finish_non_exhaustive()
     }
@@ -354,6 +356,7 @@ impl DispatcherBuilder {
             pin: true,
             idle_poll: Self::DEFAULT_IDLE_POLL,
             start_hook: None,
+            stop_hook: None,
             classes: Vec::new(),
             clock: Arc::new(MonotonicClock::new()),
             checkpoint: None,
@@ -525,6 +528,42 @@ impl DispatcherBuilder {
         self
     }
 
+    /// Runs `hook` on each shard thread as it ends, with the shard's index: after the shard
+    /// stopped taking requests and every request it dispatched has ended, after its runtime is
+    /// gone, and before the calls that wait for the shards return ([`Dispatcher::shutdown`],
+    /// `shutdown_now`, `shutdown_async`, `shutdown_timeout` when it returns `Ok`, a drop outside
+    /// any tokio runtime) — the place to undo what [`on_shard_start`](Self::on_shard_start) did,
+    /// or to flush a thread-local (tokio's `on_thread_stop`, for shards). It runs on every shard
+    /// that started (its start hook, if any, succeeded), however the shard ends, a failed build
+    /// included. The shard is ending: a panic in the hook is caught, logged (`tracing`) and
+    /// counted in [`Dispatcher::panics`], never propagated.
+    ///
+    /// ```
+    /// # use std::sync::atomic::{AtomicUsize, Ordering};
+    /// # use std::sync::Arc;
+    /// # use iothrottle::dispatcher::{ClassConfig, DiskModel, Dispatcher};
+    /// let stopped = Arc::new(AtomicUsize::new(0));
+    /// let counter = stopped.clone();
+    /// let dispatcher = Dispatcher::builder()
+    ///     .shards(2)
+    ///     .disk(DiskModel::symmetric(200_000_000, 20_000))
+    ///     .class(ClassConfig::new("io", 1))
+    ///     .on_shard_stop(move |_shard| {
+    ///         counter.fetch_add(1, Ordering::SeqCst);
+    ///     })
+    ///     .build()?;
+    /// dispatcher.shutdown();
+    /// assert_eq!(stopped.load(Ordering::SeqCst), 2);
+    /// # Ok::<(), iothrottle::error::BuildError>(())
+    /// ```
+    pub fn on_shard_stop<F>(mut self, hook: F) -> Self
+    where
+        F: Fn(usize) + Send + Sync + 'static,
+    {
+        self.stop_hook = Some(Arc::new(hook));
+        self
+    }
+
     /// Where time comes from (default a new [`MonotonicClock`]).
     pub fn clock(mut self, clock: impl Clock + 'static) -> Self {
         self.clock = Arc::new(clock);
@@ -603,7 +642,11 @@ impl DispatcherBuilder {
     /// Checks the configuration and starts the shards.
     pub fn build(self) -> Result<Dispatcher, BuildError> {
         let (shared, shards) = self.shared()?;
-        Dispatcher::start(shared, shards, self.pin, self.start_hook)
+        let hooks = runner::Hooks {
+            start: self.start_hook,
+            stop: self.stop_hook,
+        };
+        Dispatcher::start(shared, shards, self.pin, hooks)
     }
 
     /// The shared state this configuration describes, and the number of shards.
@@ -757,7 +800,7 @@ impl Dispatcher {
         shared: Arc<Shared>,
         shards: usize,
         pin: bool,
-        hook: Option<runner::StartHook>,
+        hooks: runner::Hooks,
     ) -> Result<Self, BuildError> {
         let cores = if pin {
             core_affinity::get_core_ids().filter(|c| !c.is_empty())
@@ -793,14 +836,18 @@ impl Dispatcher {
             let (tx, rx) = unbounded_channel();
             let core = cores.as_ref().map(|c| c[index % c.len()]);
             let timer = (fine.clone(), wake_timer.clone());
-            let (hook, ready) = match &hook {
+            let (hook, ready) = match &hooks.start {
                 Some(h) => {
                     let (tx, rx) = std::sync::mpsc::sync_channel(1);
                     (Some((h.clone(), tx)), Some(rx))
                 }
                 None => (None, None),
             };
-            let start = runner::Start { core, hook };
+            let start = runner::Start {
+                core,
+                hook,
+                stop: hooks.stop.clone(),
+            };
             let thread = runner::spawn(index, id, shared.clone(), rx, rt, start, timer).map_err(
                 |source| BuildError::Spawn {
                     shard: index,
@@ -1226,10 +1273,12 @@ impl Dispatcher {
         })
     }
 
-    /// User futures whose `poll` or `drop` panicked. Each panic was caught on its shard,
-    /// which kept running; a panic in `poll` (or in `drop` after completing) reaches the
+    /// User futures whose `poll` or `drop` panicked, and stop hooks
+    /// ([`DispatcherBuilder::on_shard_stop`]) that panicked. Each panic was caught on its
+    /// shard, which kept running; a panic in `poll` (or in `drop` after completing) reaches the
     /// request's handle as [`DispatchError::Panicked`](crate::error::DispatchError::Panicked);
-    /// one in the `drop` of a cancelled request has no handle to reach and is only counted.
+    /// one in the `drop` of a cancelled request has no handle to reach and is only counted, as
+    /// is a stop hook's.
     pub fn panics(&self) -> u64 {
         // Relaxed: a statistic; the shards add to it after each step.
         self.shared.panics.load(Ordering::Relaxed)

@@ -17,7 +17,7 @@ use tokio::sync::{oneshot, Notify};
 use crate::error::DispatchError;
 use crate::sync::Arc;
 
-use super::handle::{panic_message, take_panics, BoxTask};
+use super::handle::{count_panic, panic_message, take_panics, BoxTask};
 use super::queue::Entry;
 use super::shard::{Next, ShardCore};
 use super::stats::ShardStats;
@@ -203,11 +203,48 @@ pub(crate) type Timer = (Arc<FineTimer>, std::thread::Thread);
 /// [`DispatcherBuilder::on_shard_start`]: super::DispatcherBuilder::on_shard_start
 pub(crate) type StartHook = Arc<dyn Fn(usize) -> std::io::Result<()> + Send + Sync>;
 
-/// How a shard thread starts: the core it pins itself to, and the hook it runs after that with
-/// the channel its outcome goes back on (the builder waits for it).
+/// A hook run on each shard thread as it ends ([`DispatcherBuilder::on_shard_stop`]).
+///
+/// [`DispatcherBuilder::on_shard_stop`]: super::DispatcherBuilder::on_shard_stop
+pub(crate) type StopHook = Arc<dyn Fn(usize) + Send + Sync>;
+
+/// The hooks a builder was given.
+pub(crate) struct Hooks {
+    pub(crate) start: Option<StartHook>,
+    pub(crate) stop: Option<StopHook>,
+}
+
+/// How a shard thread starts: the core it pins itself to, the hook it runs after that with
+/// the channel its outcome goes back on (the builder waits for it), and the hook it runs as it
+/// ends.
 pub(crate) struct Start {
     pub(crate) core: Option<core_affinity::CoreId>,
     pub(crate) hook: Option<(StartHook, std::sync::mpsc::SyncSender<std::io::Result<()>>)>,
+    pub(crate) stop: Option<StopHook>,
+}
+
+/// Runs a shard's stop hook when dropped: as the thread ends, however it ends (a panic of the
+/// hook is caught, logged and counted in [`Dispatcher::panics`](super::Dispatcher::panics);
+/// the thread is ending).
+struct OnStop {
+    hook: StopHook,
+    index: usize,
+}
+
+impl Drop for OnStop {
+    fn drop(&mut self) {
+        let (hook, index) = (&self.hook, self.index);
+        if let Err(payload) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| hook(index)))
+        {
+            // Counted with the user futures' panics (the thread's `Exit` adds it).
+            count_panic();
+            tracing::error!(
+                shard = index,
+                "the shard's stop hook panicked: {}",
+                panic_message(&*payload)
+            );
+        }
+    }
 }
 
 /// Starts shard `index` on its own thread, running `rt`.
@@ -241,11 +278,16 @@ pub(crate) fn spawn(
                     return;
                 }
             }
+            // The shard runs from here: its stop hook runs as the thread ends (dropped before
+            // `_exit`, so before the dispatcher's shutdown sees the thread gone).
+            let _stop = start.stop.map(|hook| OnStop { hook, index });
             CURRENT.with(|c| c.set(Some((id, index))));
             let local = tokio::task::LocalSet::new();
             local.block_on(&rt, run(index, shared, rx, timer));
             // Dropping the LocalSet drops any future still running; their `Completion`s
-            // release their tokens.
+            // release their tokens. Then the runtime, with the ring's reaper tasks.
+            drop(local);
+            drop(rt);
         })
 }
 
@@ -676,11 +718,14 @@ mod tests {
                 let activity = activity.clone();
                 tokio::task::spawn_local(async move {
                     let start = Instant::now();
-                    while start.elapsed() < 3 * time {
+                    let mut last = start;
+                    while last.duration_since(start) < 3 * time {
+                        // The clock is read before the touch: the poll sees it after.
+                        last = Instant::now();
                         activity.touch();
                         tokio::task::yield_now().await;
                     }
-                    Instant::now()
+                    last
                 })
             };
             assert!(!poll.poll(&rx, &activity, || 0).await);
