@@ -995,20 +995,24 @@ thread_local! {
     static HOOKED: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
 }
 
+/// A builder of `shards` unpinned shards over the NVMe model (the hook tests).
+fn unpinned(shards: usize) -> iothrottle::dispatcher::DispatcherBuilder {
+    Dispatcher::builder()
+        .disk(NVME)
+        .shards(shards)
+        .pin_threads(false)
+}
+
 #[test]
 fn start_hook_runs_once_on_each_shard_thread_before_its_requests() {
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
     let s = seen.clone();
-    let mut b = Dispatcher::builder()
-        .disk(NVME)
-        .shards(3)
-        .pin_threads(false)
-        .on_shard_start(move |shard| {
-            HOOKED.with(|h| h.set(Some(shard)));
-            let name = std::thread::current().name().map(str::to_owned);
-            s.lock().unwrap().push((shard, name));
-            Ok(())
-        });
+    let mut b = unpinned(3).on_shard_start(move |shard| {
+        HOOKED.with(|h| h.set(Some(shard)));
+        let name = std::thread::current().name().map(str::to_owned);
+        s.lock().unwrap().push((shard, name));
+        Ok(())
+    });
     let c = b.add_class(ClassConfig::new("c", 1)).unwrap();
     let d = b.build().unwrap();
     // `build` waited for every hook: all three ran, once each, on their own shard's thread.
@@ -1051,19 +1055,15 @@ thread_local! {
 fn failing_start(fail: fn() -> std::io::Result<()>) -> (BuildError, u64, u64) {
     let (ran, ended) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
     let (r, e) = (ran.clone(), ended.clone());
-    let mut b = Dispatcher::builder()
-        .disk(NVME)
-        .shards(4)
-        .pin_threads(false)
-        .on_shard_start(move |shard| {
-            r.fetch_add(1, Ordering::SeqCst);
-            ENDED.with(|slot| *slot.borrow_mut() = Some(Ended(e.clone())));
-            if shard == 2 {
-                fail()
-            } else {
-                Ok(())
-            }
-        });
+    let mut b = unpinned(4).on_shard_start(move |shard| {
+        r.fetch_add(1, Ordering::SeqCst);
+        ENDED.with(|slot| *slot.borrow_mut() = Some(Ended(e.clone())));
+        if shard == 2 {
+            fail()
+        } else {
+            Ok(())
+        }
+    });
     b.add_class(ClassConfig::new("c", 1)).unwrap();
     let err = b.build().expect_err("shard 2's hook fails");
     (
@@ -1113,17 +1113,13 @@ fn stop_hook_runs_once_on_each_shard_thread_after_its_last_request() {
     // Per shard: its request has ended.
     let finished: Arc<Vec<AtomicU64>> = Arc::new((0..3).map(|_| AtomicU64::new(0)).collect());
     let (s, f) = (seen.clone(), finished.clone());
-    let mut b = Dispatcher::builder()
-        .disk(NVME)
-        .shards(3)
-        .pin_threads(false)
-        .on_shard_stop(move |shard| {
-            let name = std::thread::current().name().map(str::to_owned);
-            // Whether this shard's request had ended when its hook ran.
-            s.lock()
-                .unwrap()
-                .push((shard, name, f[shard].load(Ordering::SeqCst)));
-        });
+    let mut b = unpinned(3).on_shard_stop(move |shard| {
+        let name = std::thread::current().name().map(str::to_owned);
+        // Whether this shard's request had ended when its hook ran.
+        s.lock()
+            .unwrap()
+            .push((shard, name, f[shard].load(Ordering::SeqCst)));
+    });
     let c = b.add_class(ClassConfig::new("c", 1)).unwrap();
     let d = b.build().unwrap();
     // A slow request on each shard, still running when the shutdown starts.
@@ -1167,10 +1163,7 @@ fn stop_hook_runs_once_on_each_shard_thread_after_its_last_request() {
 fn a_failed_build_runs_the_stop_hooks_of_the_started_shards_only() {
     let stopped = Arc::new(std::sync::Mutex::new(Vec::new()));
     let s = stopped.clone();
-    let mut b = Dispatcher::builder()
-        .disk(NVME)
-        .shards(4)
-        .pin_threads(false)
+    let mut b = unpinned(4)
         .on_shard_start(|shard| match shard {
             2 => Err(std::io::Error::other("no")),
             _ => Ok(()),
@@ -1192,16 +1185,12 @@ fn a_failed_build_runs_the_stop_hooks_of_the_started_shards_only() {
 fn a_panicking_stop_hook_is_counted_not_propagated() {
     let ran = Arc::new(AtomicU64::new(0));
     let r = ran.clone();
-    let mut b = Dispatcher::builder()
-        .disk(NVME)
-        .shards(2)
-        .pin_threads(false)
-        .on_shard_stop(move |shard| {
-            r.fetch_add(1, Ordering::SeqCst);
-            if shard == 0 {
-                panic!("stop hook exploded");
-            }
-        });
+    let mut b = unpinned(2).on_shard_stop(move |shard| {
+        r.fetch_add(1, Ordering::SeqCst);
+        if shard == 0 {
+            panic!("stop hook exploded");
+        }
+    });
     b.add_class(ClassConfig::new("c", 1)).unwrap();
     let d = b.build().unwrap();
     assert_eq!(d.panics(), 0);
@@ -1247,18 +1236,14 @@ fn start_hook_sets_the_shards_scheduling_policy() {
         "the test thread must not already be SCHED_BATCH"
     );
 
-    let mut b = Dispatcher::builder()
-        .disk(NVME)
-        .shards(2)
-        .pin_threads(false)
-        .on_shard_start(|_| {
-            let param = libc::sched_param { sched_priority: 0 };
-            // SAFETY: the calling thread's policy, from a live `sched_param`.
-            match unsafe { libc::sched_setscheduler(0, libc::SCHED_BATCH, &param) } {
-                0 => Ok(()),
-                _ => Err(std::io::Error::last_os_error()),
-            }
-        });
+    let mut b = unpinned(2).on_shard_start(|_| {
+        let param = libc::sched_param { sched_priority: 0 };
+        // SAFETY: the calling thread's policy, from a live `sched_param`.
+        match unsafe { libc::sched_setscheduler(0, libc::SCHED_BATCH, &param) } {
+            0 => Ok(()),
+            _ => Err(std::io::Error::last_os_error()),
+        }
+    });
     let c = b.add_class(ClassConfig::new("c", 1)).unwrap();
     let d = b.build().unwrap();
     assert_eq!(shard_policies(&d, c), vec![libc::SCHED_BATCH; 2]);
