@@ -5,6 +5,7 @@
 //! | case | what one op is |
 //! |---|---|
 //! | `iothrottle_grab_deficiency` | `grab(1)` + `deficiency`, a `replenish()` every 64 grabs |
+//! | `iothrottle_grab_deficiency_only` (1t) | `grab(1)` + `deficiency`, never a replenish: the fast path alone |
 //! | `atomic_fetch_add_floor` | `AtomicU64::fetch_add` + `load`: the floor |
 //! | `governor_check` | governor direct `RateLimiter::check()` |
 //! | `tokio_semaphore_try_acquire` | `Semaphore::try_acquire()` + `forget`, permits added back every 64 |
@@ -157,6 +158,11 @@ fn iothrottle_op(b: &SharedTokenBucket<Uncapped>, i: u64) {
     if i.is_multiple_of(REPLENISH_EVERY) {
         b.replenish();
     }
+    let tail = b.grab(1);
+    black_box(b.deficiency(tail));
+}
+
+fn iothrottle_fast_path_op(b: &SharedTokenBucket<Uncapped>, _i: u64) {
     let tail = b.grab(1);
     black_box(b.deficiency(tail));
 }
@@ -399,6 +405,13 @@ pub fn bucket(c: &mut Criterion) {
         "iothrottle_grab_deficiency",
         iothrottle_bucket(),
         iothrottle_op,
+    );
+    // What the replenish every 64 grabs costs: the same ops without it.
+    one(
+        &mut g,
+        "iothrottle_grab_deficiency_only",
+        iothrottle_bucket(),
+        iothrottle_fast_path_op,
     );
     one(
         &mut g,
