@@ -281,6 +281,8 @@ pub(crate) fn spawn(
             // The shard runs from here: its stop hook runs as the thread ends (dropped before
             // `_exit`, so before the dispatcher's shutdown sees the thread gone).
             let _stop = start.stop.map(|hook| OnStop { hook, index });
+            // Owned here, after the hook's guard: even unwinding drops it before the hook runs.
+            let rt = rt;
             CURRENT.with(|c| c.set(Some((id, index))));
             let local = tokio::task::LocalSet::new();
             local.block_on(&rt, run(index, shared, rx, timer));
