@@ -17,8 +17,10 @@ use super::stats::ClassRecorder;
 /// bound (the class's completions wake it sooner; this only guards against a lost wake-up).
 const IN_FLIGHT_BACKSTOP: Duration = Duration::from_millis(1);
 
-/// The most entries [`Queues::select`] allocates room for up front (more grow the list).
-const MAX_BATCH_ENTRIES: usize = 256;
+/// The most entries [`Queues::select`] allocates room for up front (more grow the list): a
+/// deep queue with a small batch target takes few of its entries, and should not pay for a
+/// list sized for all of them.
+const MAX_BATCH_ENTRIES: usize = 32;
 
 /// What the dispatcher carries for a request: the user's future, or a test's marker.
 pub(crate) trait Payload {
@@ -186,8 +188,8 @@ impl<P: Payload> Queues<P> {
         stats: &mut [ClassRecorder],
     ) -> Selection<P> {
         self.skipped.iter_mut().for_each(|s| *s = false);
-        // Sized for everything queued (a deep queue is taken whole when the batch allows):
-        // growing it one push at a time reallocated it six times for 32 requests.
+        // Sized once (a queue 32 deep is taken whole when the batch allows): growing it one
+        // push at a time reallocated it six times for 32 requests.
         let mut entries = Vec::with_capacity(self.len.min(MAX_BATCH_ENTRIES));
         let mut tokens = 0u64;
         let mut behind: Option<u64> = None;

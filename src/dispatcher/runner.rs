@@ -738,8 +738,11 @@ mod tests {
                 "the poll ended {:?} after the last activity",
                 ended.saturating_duration_since(last_touch)
             );
-            // Nothing since: the next poll parks at once.
+            // Nothing since: the next poll dates no new activity, so it parks in its first
+            // round (the last activity is already more than the poll time ago).
+            let dated = poll.seen;
             assert!(!poll.poll(&rx, &activity, || 0).await);
+            assert_eq!(poll.seen, dated, "no activity dated anew");
             assert_eq!(poll.seen.map(|(count, _)| count), Some(activity.count()));
         });
     }
