@@ -499,10 +499,10 @@ mod tests {
         assert_eq!(c.shares(0), 1000);
     }
 
-    /// Regression (issue 8, defect 6): virtual time wrapped after ~107 days (2^63 units; 1
-    /// share at 10^9 tokens/s), after which a class that had been idle all along looked
-    /// 2^63 *ahead* of the busy one: its lift on waking was refused and it was starved.
-    /// Virtual times now stay within 2^62 of the front whatever the elapsed time.
+    /// Virtual time wraps after ~107 days (2^63 units; 1 share at 10^9 tokens/s); a class idle
+    /// all along must not then look 2^63 *ahead* of the busy one (its lift on waking would be
+    /// refused and it would starve). Virtual times stay within 2^62 of the front whatever the
+    /// elapsed time.
     #[test]
     fn an_idle_class_is_not_starved_after_virtual_time_wraps() {
         let c = fair(&[1, 1], 250_000, 250_000);
