@@ -689,7 +689,7 @@ fn set_rate_reaches_a_request_already_waiting() {
 
 #[test]
 fn runtime_control_errors_are_typed() {
-    use iothrottle::error::ControlError;
+    use iothrottle::ControlError;
     let d = Dispatcher::builder()
         .shards(1)
         .disk(NVME)
@@ -885,7 +885,7 @@ fn shutdown_async_waits_without_blocking_the_runtime() {
 
 #[test]
 fn shutdown_timeout_bounds_the_wait() {
-    use iothrottle::error::ShutdownError;
+    use iothrottle::ShutdownError;
     let (tx, rx) = tokio::sync::oneshot::channel();
     let (d, h, started) = blocked_on(rx);
     rt().block_on(started).unwrap();
