@@ -114,6 +114,7 @@
     unsafe_op_in_unsafe_fn,
     rust_2018_idioms
 )]
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 pub mod adapter;
 pub mod bucket;
