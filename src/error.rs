@@ -892,7 +892,7 @@ pub enum CalibrateError {
     },
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(iothrottle_loom)))]
 mod tests {
     use super::*;
     use std::error::Error;
