@@ -430,7 +430,10 @@ impl DispatcherBuilder {
 
     /// The most one request may cost (larger ones are split by
     /// [`Dispatcher::submit_split`] into 4 KiB-aligned pieces, or refused by
-    /// [`Dispatcher::submit`]). `1..=limit`; default half the limit.
+    /// [`Dispatcher::submit`]). `1..=limit`; default half the limit. With the default,
+    /// [`build`](Self::build) refuses a disk model of which not even one 4 KiB read or write
+    /// fits ([`BuildError::DiskTooSlowForGoal`], naming the goal that would fit); a value set
+    /// here is taken as given.
     pub fn max_cost(mut self, tokens: u64) -> Self {
         self.max_cost = Some(tokens);
         self
@@ -733,6 +736,20 @@ impl DispatcherBuilder {
         for (what, value) in [("max_cost", max_cost), ("batch", batch)] {
             if value == 0 || value > limit {
                 return Err(BuildError::TokensOutOfRange { what, value, limit });
+            }
+        }
+        // A disk too slow for the goal would refuse every read or write later: say so now.
+        // An explicit `max_cost` is taken as given (raw-token requests need no disk model).
+        for (kind, name) in [(IoKind::Read, "read"), (IoKind::Write, "write")] {
+            if self.max_cost.is_none() && disk.max_aligned_bytes_within(kind, max_cost).is_none() {
+                let cost = disk.cost(&IoRequest::new(kind, SPLIT_ALIGN));
+                return Err(BuildError::DiskTooSlowForGoal {
+                    kind: name,
+                    cost,
+                    max_cost,
+                    goal: self.latency_goal,
+                    needed_goal: Duration::from_nanos(cost.saturating_mul(2)),
+                });
             }
         }
         let idle_credit = self.idle_credit.unwrap_or(batch);
