@@ -29,9 +29,10 @@ mod buf;
 mod calibrate;
 mod file;
 mod fs;
+mod pool;
 mod props;
+mod uring;
 
-pub(crate) use backend::reap_here;
 pub use backend::{Backend, Resolved, BACKEND_ENV};
 pub use buf::{AlignedBuf, ALIGN};
 pub use calibrate::{calibrate, calibrate_detailed, CalibrateOptions, Calibration, DepthStep};
