@@ -18,6 +18,7 @@ use super::cost::{self, DiskModel, IoKind, IoRequest, Piece};
 use super::handle::{IoHandle, SplitHandle};
 use super::queue::Entry;
 use super::runner::{self, Msg, ShutdownMode, StatsReply};
+use super::spawn::{self, ShardJoinHandle, SpawnError};
 use super::state::Shared;
 use super::stats::{self, DispatcherStats, ShardStats};
 use super::task::{self, BoxTask};
@@ -41,8 +42,6 @@ pub struct Dispatcher {
     /// The fine timer for the shards' short sleeps, and its thread.
     timer: Arc<timer::FineTimer>,
     timer_thread: Mutex<Option<timer::TimerThread>>,
-    /// 1 once shutdown started.
-    closed: AtomicU64,
     /// Round-robin position for submissions from outside the shards.
     next: AtomicU64,
 }
@@ -85,7 +84,6 @@ impl Dispatcher {
             threads: Mutex::new(Vec::with_capacity(shards)),
             timer: fine.clone(),
             timer_thread: Mutex::new(Some(fine_thread)),
-            closed: AtomicU64::new(0),
             next: AtomicU64::new(0),
         };
         let id = dispatcher.id();
@@ -113,6 +111,7 @@ impl Dispatcher {
                 core,
                 hook,
                 stop: hooks.stop.clone(),
+                tx: tx.downgrade(),
             };
             let thread = runner::spawn(index, id, shared.clone(), rx, rt, start, timer).map_err(
                 |source| BuildError::Spawn {
@@ -154,7 +153,7 @@ impl Dispatcher {
 
     /// The shard the calling thread runs, if it is one of this dispatcher's.
     pub fn current_shard(&self) -> Option<usize> {
-        runner::current_shard(self.id())
+        spawn::current_index(self.id())
     }
 
     /// The number of classes.
@@ -410,9 +409,9 @@ impl Dispatcher {
     }
 
     fn check(&self, shard: usize, class: ClassId) -> Result<(), SubmitError> {
-        // Acquire: pairs with the Release in `begin_shutdown`; a submit that sees 0 may still
-        // race with a shutdown, which the shard then handles (see `runner`).
-        if self.closed.load(Ordering::Acquire) != 0 {
+        // Acquire: pairs with the Release in `signal`; a submit that sees 0 may still race
+        // with a shutdown, which the shard then handles (see `runner`).
+        if self.shared.closed.load(Ordering::Acquire) != 0 {
             return Err(SubmitError::ShutDown);
         }
         if shard >= self.senders.len() {
@@ -431,13 +430,7 @@ impl Dispatcher {
     }
 
     fn too_large(&self, request: &IoRequest, cost: u64) -> SubmitError {
-        SubmitError::TooLarge {
-            cost,
-            max_cost: self.shared.max_cost,
-            max_bytes: request
-                .kind()
-                .and_then(|k| self.shared.disk.max_bytes_within(k, self.shared.max_cost)),
-        }
+        self.shared.too_large(request, cost)
     }
 
     fn pick_shard(&self) -> usize {
@@ -467,6 +460,75 @@ impl Dispatcher {
         self.senders[shard]
             .send(Msg::Submit(entry))
             .map_err(|_| SubmitError::ShutDown)
+    }
+
+    /// Runs a task of the engine's own on shard `shard`: `f` is sent there and called on the
+    /// shard's thread, and the future it returns runs on the shard's `LocalSet`, beside the
+    /// requests the shard dispatches, so it may be `!Send` (an `Rc`, a `RefCell`, a
+    /// thread-local). As tokio-util's `LocalPoolHandle::spawn_pinned` and glommio's
+    /// executors do.
+    ///
+    /// The task is not charged tokens (only the I/O it submits is). I/O it submits (through
+    /// [`current_shard`](super::current_shard), or this dispatcher's `submit`) goes to its own
+    /// shard's queue, dispatched on the same thread. A panic in `f` or in the future is caught
+    /// and counted in [`panics`](Self::panics); the handle resolves to
+    /// [`JoinError::Panicked`](super::JoinError::Panicked) and the shard keeps running.
+    ///
+    /// **Shutdown cancels spawned tasks.** Any shutdown ([`shutdown`](Self::shutdown),
+    /// [`shutdown_now`](Self::shutdown_now), the async and timed forms, a drop) drops every
+    /// task still running on the shards as soon as each shard sees it (at the task's next
+    /// await); their handles resolve to [`JoinError::Cancelled`](super::JoinError::Cancelled).
+    /// The requests they had submitted then follow the shutdown's mode: drained (`shutdown`)
+    /// or failed (`shutdown_now`); a queued one whose handle the dropped task held is
+    /// cancelled, and its tokens go back. So a shutdown never waits for a task that does not
+    /// end on its own (a server loop); a task that must finish its work is awaited (its
+    /// handle) before shutting down.
+    pub fn spawn_on<F, Fut>(
+        &self,
+        shard: usize,
+        f: F,
+    ) -> Result<ShardJoinHandle<Fut::Output>, SpawnError>
+    where
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future + 'static,
+        Fut::Output: Send + 'static,
+    {
+        // Acquire: pairs with the Release in `signal`.
+        if self.shared.closed.load(Ordering::Acquire) != 0 {
+            return Err(SpawnError::ShutDown);
+        }
+        let Some(tx) = self.senders.get(shard) else {
+            return Err(SpawnError::UnknownShard {
+                shard,
+                shards: self.senders.len(),
+            });
+        };
+        let (job, handle) = spawn::job(f, spawn::Live::new(self.shared.clone(), shard));
+        tx.send(Msg::Spawn(job)).map_err(|_| SpawnError::ShutDown)?;
+        Ok(handle)
+    }
+
+    /// [`spawn_on`](Self::spawn_on) the least loaded shard: the one with the fewest spawned
+    /// tasks still running (a task counts from this call until it ends), ties going round-robin.
+    pub fn spawn<F, Fut>(&self, f: F) -> Result<ShardJoinHandle<Fut::Output>, SpawnError>
+    where
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future + 'static,
+        Fut::Output: Send + 'static,
+    {
+        self.spawn_on(self.least_loaded(), f)
+    }
+
+    /// The shard with the fewest live spawned tasks, searched from the round-robin position.
+    fn least_loaded(&self) -> usize {
+        let n = self.senders.len();
+        // Relaxed: a lone counter; any interleaving spreads the ties.
+        let start = (self.next.fetch_add(1, Ordering::Relaxed) % n as u64) as usize;
+        (0..n)
+            .map(|i| (start + i) % n)
+            // Relaxed: a load figure; a stale one only makes a less even choice.
+            .min_by_key(|&s| self.shared.spawned[s].load(Ordering::Relaxed))
+            .unwrap_or(0)
     }
 
     /// A snapshot of the figures of every shard and class. After shutdown, the figures each
@@ -596,8 +658,8 @@ impl Dispatcher {
     }
 
     fn signal(&self, mode: ShutdownMode) {
-        // Release: pairs with the Acquire in `check`.
-        self.closed.store(1, Ordering::Release);
+        // Release: pairs with the Acquire in `check` and `Shared::admit`.
+        self.shared.closed.store(1, Ordering::Release);
         for tx in &self.senders {
             let _ = tx.send(Msg::Shutdown(mode));
         }

@@ -61,6 +61,7 @@ mod queue;
 mod runner;
 mod shard;
 pub(crate) mod shard_io;
+mod spawn;
 mod state;
 mod stats;
 pub(crate) mod task;
@@ -74,7 +75,8 @@ pub use class::{ClassConfig, ClassId, Priority};
 pub use cost::{DiskModel, IoKind, IoRequest, Piece, SPLIT_ALIGN};
 pub use dispatcher::Dispatcher;
 pub use handle::{IoHandle, SplitHandle};
+pub use spawn::{current_shard, JoinError, ShardHandle, ShardJoinHandle, SpawnError};
 pub use stats::{ClassStats, DispatcherStats, ShardStats};
 
-pub(crate) use runner::on_any_shard;
+pub(crate) use spawn::on_any_shard;
 pub(crate) use state::{ArcClock, Shared};

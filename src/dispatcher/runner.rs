@@ -20,6 +20,7 @@ use crate::sync::Arc;
 use super::queue::Entry;
 use super::shard::{Next, ShardCore};
 use super::shard_io;
+use super::spawn::{self, SpawnJob};
 use super::state::Shared;
 use super::stats::ShardStats;
 use super::task::{
@@ -34,6 +35,10 @@ pub(crate) enum Msg {
     Shutdown(ShutdownMode),
     /// Poll again: a run-time setting changed (rate, shares, cap).
     Wake,
+    /// Start a task of the engine's own on the shard ([`Dispatcher::spawn_on`]).
+    ///
+    /// [`Dispatcher::spawn_on`]: super::Dispatcher::spawn_on
+    Spawn(SpawnJob),
 }
 
 /// Where a shard sends a copy of its stats.
@@ -63,24 +68,6 @@ pub(crate) enum ShutdownMode {
     /// Fail everything not yet dispatched with [`DispatchError::ShutDown`], wait for the
     /// futures already running, then stop.
     Cancel,
-}
-
-thread_local! {
-    /// On a shard thread: (dispatcher identity, shard index).
-    static CURRENT: Cell<Option<(usize, usize)>> = const { Cell::new(None) };
-}
-
-/// Whether the calling thread is a shard of some dispatcher (its runtime is current-thread, with
-/// an I/O driver).
-pub(crate) fn on_any_shard() -> bool {
-    CURRENT.with(|c| c.get()).is_some()
-}
-
-/// The shard of dispatcher `id` that the calling thread runs, if any.
-pub(crate) fn current_shard(id: usize) -> Option<usize> {
-    CURRENT
-        .with(|c| c.get())
-        .and_then(|(d, s)| (d == id).then_some(s))
 }
 
 /// Held by a shard thread: when it ends, however it ends, the dispatcher's exit latch counts
@@ -120,6 +107,8 @@ pub(crate) struct Start {
     pub(crate) core: Option<core_affinity::CoreId>,
     pub(crate) hook: Option<(StartHook, std::sync::mpsc::SyncSender<std::io::Result<()>>)>,
     pub(crate) stop: Option<StopHook>,
+    /// The shard's own channel, for code running on it ([`spawn::current_shard`]).
+    pub(crate) tx: tokio::sync::mpsc::WeakUnboundedSender<Msg>,
 }
 
 /// Runs a shard's stop hook when dropped: as the thread ends, however it ends (a panic of the
@@ -182,12 +171,13 @@ pub(crate) fn spawn(
             let _stop = start.stop.map(|hook| OnStop { hook, index });
             // Owned here, after the hook's guard: even unwinding drops it before the hook runs.
             let rt = rt;
-            CURRENT.with(|c| c.set(Some((id, index))));
+            spawn::enter(id, index, shared.clone(), start.tx);
             let local = tokio::task::LocalSet::new();
             local.block_on(&rt, run(index, shared, rx, timer));
             // Dropping the LocalSet drops any future still running; their `Completion`s
             // release their tokens. Then the runtime, with the ring's reaper tasks.
             drop(local);
+            spawn::leave();
             drop(rt);
         })
 }
@@ -361,6 +351,12 @@ async fn run(
         }
         // The loop polls the core next, which takes up the change.
         Msg::Wake => {}
+        // Dropped unrun once shutdown started: its handle resolves to `Cancelled`.
+        Msg::Spawn(job) => {
+            if closing.is_none() {
+                job();
+            }
+        }
     };
     // A message from the channel, or `None`: every sender is gone (the dispatcher was dropped),
     // which shuts the shard down as `shutdown_now` does.
@@ -383,6 +379,10 @@ async fn run(
                 Err(TryRecvError::Empty) => break,
                 Err(TryRecvError::Disconnected) => receive(None, &mut open, &mut closing),
             }
+        }
+        if closing.is_some() {
+            // Any shutdown cancels the spawned tasks (see `Dispatcher::spawn_on`).
+            spawn::close_current();
         }
         if closing == Some(ShutdownMode::Cancel) {
             let drained = core.borrow_mut().drain();

@@ -19,7 +19,7 @@ thread_local! {
 /// Registers `io` as the calling shard's I/O hook (replacing any earlier one). Returns `false`
 /// off a dispatcher shard, where nothing would call it.
 pub(crate) fn register(io: ShardIo) -> bool {
-    if !super::runner::on_any_shard() {
+    if !super::spawn::on_any_shard() {
         return false;
     }
     HOOK.try_with(|h| h.set(Some(io))).is_ok()

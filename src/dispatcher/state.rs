@@ -9,12 +9,12 @@ use std::time::Duration;
 use crate::bucket::Rate;
 use crate::checkpoint::MarkGate;
 use crate::clock::Clock;
-use crate::error::{ConfigError, ControlError};
+use crate::error::{ConfigError, ControlError, SubmitError};
 use crate::sync::{Arc, AtomicU64, Ordering};
 
 use super::budget::Budget;
 use super::class::{self, ClassId, Classes};
-use super::cost::DiskModel;
+use super::cost::{DiskModel, IoRequest};
 use super::stats::ShardStats;
 use super::DispatcherBuilder;
 
@@ -55,6 +55,10 @@ pub(crate) struct Shared {
     /// How long an idle shard keeps polling after its last activity before it parks
     /// ([`DispatcherBuilder::idle_poll`]).
     pub(crate) idle_poll: Duration,
+    /// 1 once shutdown started: no new request or task is taken.
+    pub(crate) closed: AtomicU64,
+    /// One per shard: its spawned tasks not yet ended (see `spawn::Live`).
+    pub(crate) spawned: Vec<AtomicU64>,
     /// One per shard: how many times its thread parked with nothing queued (a statistic, for
     /// the tests of the idle poll).
     pub(crate) parks: Vec<AtomicU64>,
@@ -152,6 +156,40 @@ impl Shared {
             released: (0..shards).map(|_| tokio::sync::Notify::new()).collect(),
             idle_poll: DispatcherBuilder::DEFAULT_IDLE_POLL,
             parks: (0..shards).map(|_| AtomicU64::new(0)).collect(),
+            closed: AtomicU64::new(0),
+            spawned: (0..shards).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+
+    /// Checks a request before it is queued: the dispatcher is open, the class exists, the
+    /// request fits in [`max_cost`](Self::max_cost); its cost.
+    pub(crate) fn admit(&self, class: ClassId, request: &IoRequest) -> Result<u64, SubmitError> {
+        // Acquire: pairs with the Release store that starts shutdown; a submit that sees 0 may
+        // still race with a shutdown, which the shard then handles (see `runner`).
+        if self.closed.load(Ordering::Acquire) != 0 {
+            return Err(SubmitError::ShutDown);
+        }
+        if class.0 >= self.classes.len() {
+            return Err(SubmitError::UnknownClass {
+                class: class.0,
+                classes: self.classes.len(),
+            });
+        }
+        let cost = self.disk.cost(request);
+        if cost > self.max_cost {
+            return Err(self.too_large(request, cost));
+        }
+        Ok(cost)
+    }
+
+    /// The error for `request`, which costs `cost`, more than [`max_cost`](Self::max_cost).
+    pub(crate) fn too_large(&self, request: &IoRequest, cost: u64) -> SubmitError {
+        SubmitError::TooLarge {
+            cost,
+            max_cost: self.max_cost,
+            max_bytes: request
+                .kind()
+                .and_then(|k| self.disk.max_bytes_within(k, self.max_cost)),
         }
     }
 

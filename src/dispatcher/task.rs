@@ -64,7 +64,7 @@ pin_project! {
     /// A user future whose `Drop` may panic: dropping it (cancelled in a queue, failed at
     /// shutdown, torn down with the runtime, or after it completed) catches the panic and
     /// counts it, so that the shard thread survives.
-    struct Guarded<F> {
+    pub(crate) struct Guarded<F> {
         #[pin]
         fut: Option<F>,
     }
@@ -76,6 +76,13 @@ pin_project! {
                 count_panic();
             }
         }
+    }
+}
+
+impl<F> Guarded<F> {
+    /// Guards `fut`.
+    pub(crate) fn new(fut: F) -> Self {
+        Guarded { fut: Some(fut) }
     }
 }
 
@@ -130,39 +137,43 @@ where
         let TaskImpl { fut, tx } = *self;
         tokio::task::spawn_local(async move {
             let _done = done;
-            let mut guarded = std::pin::pin!(fut);
-            let mut out = std::future::poll_fn(|cx| {
-                let Some(fut) = guarded.as_mut().project().fut.as_pin_mut() else {
-                    return Poll::Ready(Err(DispatchError::Panicked {
-                        message: "(polled after it ended)".to_owned(),
-                    }));
-                };
-                match catch_unwind(AssertUnwindSafe(|| fut.poll(cx))) {
-                    Ok(Poll::Ready(v)) => Poll::Ready(Ok(v)),
-                    Ok(Poll::Pending) => Poll::Pending,
-                    Err(panic) => {
-                        count_panic();
-                        Poll::Ready(Err(DispatchError::Panicked {
-                            message: panic_message(&*panic),
-                        }))
-                    }
-                }
-            })
-            .await;
-            // Drop the future before answering, so a panic in its `Drop` reaches the handle.
-            let mut slot = guarded.as_mut().project().fut;
-            if let Err(panic) = catch_unwind(AssertUnwindSafe(|| slot.set(None))) {
-                count_panic();
-                if out.is_ok() {
-                    out = Err(DispatchError::Panicked {
-                        message: format!("in drop: {}", panic_message(&*panic)),
-                    });
-                }
-            }
+            let out = run_guarded(fut)
+                .await
+                .map_err(|message| DispatchError::Panicked { message });
             _done.count_panics();
             let _ = tx.send(out);
         });
     }
+}
+
+/// Runs a guarded future to its end and drops it, catching a panic in its `poll` or its `drop`
+/// (each counted, see [`count_panic`]): its output, or the panic's message (prefixed
+/// `in drop: ` for a panic in `drop` after it completed).
+pub(crate) async fn run_guarded<F: Future>(fut: Guarded<F>) -> Result<F::Output, String> {
+    let mut guarded = std::pin::pin!(fut);
+    let mut out = std::future::poll_fn(|cx| {
+        let Some(fut) = guarded.as_mut().project().fut.as_pin_mut() else {
+            return Poll::Ready(Err("(polled after it ended)".to_owned()));
+        };
+        match catch_unwind(AssertUnwindSafe(|| fut.poll(cx))) {
+            Ok(Poll::Ready(v)) => Poll::Ready(Ok(v)),
+            Ok(Poll::Pending) => Poll::Pending,
+            Err(panic) => {
+                count_panic();
+                Poll::Ready(Err(panic_message(&*panic)))
+            }
+        }
+    })
+    .await;
+    // Drop the future before answering, so a panic in its `Drop` reaches the handle.
+    let mut slot = guarded.as_mut().project().fut;
+    if let Err(panic) = catch_unwind(AssertUnwindSafe(|| slot.set(None))) {
+        count_panic();
+        if out.is_ok() {
+            out = Err(format!("in drop: {}", panic_message(&*panic)));
+        }
+    }
+    out
 }
 
 /// A panic's message, when it carried a string.
