@@ -64,7 +64,10 @@ fn calibration_interrupted_by_sigint_leaves_no_scratch_file() {
             std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
             panic!("the child ended before calibrating: {status}\n{err}");
         }
-        assert!(waited < Duration::from_secs(120), "calibration never started");
+        assert!(
+            waited < Duration::from_secs(120),
+            "calibration never started"
+        );
         std::thread::sleep(Duration::from_millis(2));
         waited += Duration::from_millis(2);
     }

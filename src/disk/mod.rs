@@ -31,9 +31,10 @@ mod buf;
 mod calibrate;
 mod file;
 mod fs;
+mod pool;
 mod props;
+mod uring;
 
-pub(crate) use backend::reap_here;
 pub use backend::{Backend, Resolved, BACKEND_ENV};
 pub use buf::{AlignedBuf, IoBuf, IoBufMut, ALIGN};
 pub use calibrate::{calibrate, calibrate_detailed, CalibrateOptions, Calibration, DepthStep};

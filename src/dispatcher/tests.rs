@@ -1,13 +1,16 @@
 //! Deterministic tests of the shard loop: several [`ShardCore`]s driven on one thread by a
 //! [`ManualClock`], sharing one bucket and the classes' fairness state exactly as the shard
-//! threads do. Every token is counted; nothing sleeps.
+//! threads do. Every token is counted; nothing sleeps. One file over the usual size: the
+//! simulator and the scenarios that drive it are read together.
 
 use std::time::Duration;
 
 use super::queue::{Entry, Payload};
 use super::shard::{Next, ShardCore};
 use super::*;
+use crate::bucket::Rate;
 use crate::clock::ManualClock;
+use crate::sync::Arc;
 
 /// A simulated request: which feed it came from.
 #[derive(Debug)]
