@@ -381,7 +381,7 @@ fn pieces_are_derived_from_the_class_in_flight_bound() {
     assert_eq!(f.piece_size(fg, IoKind::Write), Some(max));
     let bg_piece = f.piece_size(bg, IoKind::Write).unwrap();
     let bound = d.class_config(bg).unwrap().max_in_flight().unwrap();
-    assert!(bg_piece < max && bg_piece % ALIGN == 0);
+    assert!(bg_piece < max && bg_piece.is_multiple_of(ALIGN));
     assert!(
         d.disk()
             .disk_time(&iothrottle::dispatcher::IoRequest::write(bg_piece as u64))

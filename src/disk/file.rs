@@ -392,7 +392,7 @@ impl ThrottledFile {
             }
         } else {
             let pieces = (0..len).step_by(piece).map(|s| (s, piece.min(len - s)));
-            let mut handles: Vec<(IoHandle<io::Result<usize>>, (usize, usize))> =
+            let mut handles: Vec<(PieceHandle, (usize, usize))> =
                 Vec::with_capacity(len.div_ceil(piece));
             let mut refused = None;
             for (start, plen) in pieces {
@@ -422,7 +422,7 @@ impl ThrottledFile {
         &self,
         op: &'static str,
         offset: u64,
-        pieces: impl Iterator<Item = (IoHandle<io::Result<usize>>, (usize, usize))>,
+        pieces: impl Iterator<Item = (PieceHandle, (usize, usize))>,
     ) -> Result<usize, DiskError> {
         let mut done = 0usize;
         let mut contiguous = true;
@@ -450,6 +450,9 @@ impl ThrottledFile {
         }
     }
 }
+
+/// A submitted piece's result: the kernel's byte count.
+type PieceHandle = IoHandle<io::Result<usize>>;
 
 fn kind_index(kind: IoKind) -> usize {
     match kind {
