@@ -159,10 +159,11 @@ impl DispatcherBuilder {
 
     /// The most one request may cost (larger ones are split by
     /// [`Dispatcher::submit_split`] into 4 KiB-aligned pieces, or refused by
-    /// [`Dispatcher::submit`]). `1..=limit`; default half the limit. With the default,
+    /// [`Dispatcher::submit`]). `1..=limit`; default half the limit. While it and the limit
+    /// follow the [latency goal](Self::latency_goal) (neither set, no checkpointed bucket),
     /// [`build`](Self::build) refuses a disk model of which not even one 4 KiB read or write
-    /// fits ([`BuildError::DiskTooSlowForGoal`], naming the goal that would fit); a value set
-    /// here is taken as given.
+    /// fits ([`BuildError::DiskTooSlowForGoal`], naming the goal that would fit); values set
+    /// here are taken as given.
     pub fn max_cost(mut self, tokens: u64) -> Self {
         self.max_cost = Some(tokens);
         self
@@ -468,9 +469,12 @@ impl DispatcherBuilder {
             }
         }
         // A disk too slow for the goal would refuse every read or write later: say so now.
-        // An explicit `max_cost` is taken as given (raw-token requests need no disk model).
+        // Checked when `max_cost` follows the goal; an explicit `max_cost`, limit or
+        // checkpointed bucket is taken as given (raw-token requests need no disk model).
+        let follows_goal =
+            self.max_cost.is_none() && self.limit.is_none() && self.checkpoint.is_none();
         for (kind, name) in [(IoKind::Read, "read"), (IoKind::Write, "write")] {
-            if self.max_cost.is_none() && disk.max_aligned_bytes_within(kind, max_cost).is_none() {
+            if follows_goal && disk.max_aligned_bytes_within(kind, max_cost).is_none() {
                 let cost = disk.cost(&IoRequest::new(kind, SPLIT_ALIGN));
                 return Err(BuildError::DiskTooSlowForGoal {
                     kind: name,
