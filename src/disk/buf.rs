@@ -321,6 +321,45 @@ mod tests {
     }
 
     #[test]
+    fn a_vec_reads_into_its_capacity_and_grows_by_what_was_read() {
+        let mut v: Vec<u8> = Vec::with_capacity(2 * ALIGN);
+        v.extend_from_slice(&[1; 100]);
+        assert_eq!((v.bytes_init(), v.bytes_total()), (100, v.capacity()));
+        assert_eq!(v.stable_mut_ptr().cast_const(), v.stable_ptr());
+        // SAFETY: the first 100 bytes are initialised; a smaller count changes nothing.
+        unsafe { v.set_init(50) };
+        assert_eq!(v.len(), 100);
+        v.spare_capacity_mut()[..ALIGN - 100].fill(std::mem::MaybeUninit::new(2));
+        // SAFETY: the first ALIGN bytes are now initialised.
+        unsafe { v.set_init(ALIGN) };
+        assert_eq!(v.len(), ALIGN);
+        assert!(v[100..].iter().all(|&b| b == 2));
+        let b: Box<[u8]> = vec![0; ALIGN].into_boxed_slice();
+        assert_eq!((b.bytes_init(), b.bytes_total()), (ALIGN, ALIGN));
+    }
+
+    #[test]
+    fn a_lent_view_gives_the_owner_back_and_an_owned_buffer_stays_itself() {
+        let mut owner = vec![0u8; ALIGN];
+        let ptr = owner.as_mut_ptr();
+        // SAFETY: `ptr` is `owner`'s heap memory, which moves with it into the view.
+        let view = unsafe { AlignedBuf::lend(owner, ptr, ALIGN) };
+        assert!(view.is_lent());
+        let back: Vec<u8> = view.unlend().expect("a view");
+        assert_eq!(back.as_ptr(), ptr.cast_const());
+        let own = AlignedBuf::zeroed(ALIGN).unwrap();
+        assert!(!own.is_lent());
+        assert!(own.unlend::<Vec<u8>>().is_err());
+        assert!(matches!(
+            check_addr(ptr.wrapping_add(1)),
+            Err(DiskError::Unaligned {
+                what: "buffer address",
+                ..
+            })
+        ));
+    }
+
+    #[test]
     fn bad_lengths_are_typed_errors() {
         assert!(matches!(AlignedBuf::zeroed(0), Err(DiskError::EmptyBuffer)));
         assert!(matches!(
