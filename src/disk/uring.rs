@@ -628,6 +628,10 @@ impl Task for IoTask {
         self.tx.is_closed()
     }
 
+    fn poll_cancelled(&mut self, cx: &mut std::task::Context<'_>) -> Poll<()> {
+        self.tx.poll_closed(cx)
+    }
+
     fn fail(self: Box<Self>, err: DispatchError) {
         let _ = self.tx.send(Err(err));
     }

@@ -306,6 +306,16 @@ impl IdlePoll {
     }
 }
 
+/// Resolves when a request of the shard's outstanding reservation is cancelled: the shard then
+/// gives its tokens back at once instead of waiting for them to accrue.
+fn cancelled(core: &RefCell<ShardCore<BoxTask>>) -> impl std::future::Future<Output = ()> + '_ {
+    std::future::poll_fn(move |cx| match core.try_borrow_mut() {
+        Ok(mut core) => core.poll_reservation_cancelled(cx),
+        // Borrowed by a completion running inside this poll: looked at again at the next one.
+        Err(_) => std::task::Poll::Pending,
+    })
+}
+
 async fn run(
     index: usize,
     shared: Arc<Shared>,
@@ -434,6 +444,7 @@ async fn run(
                     msg = rx.recv(), if open => receive(msg, &mut open, &mut closing),
                     _ = timer.notify(index).notified() => {}
                     _ = shared.released[index].notified() => {}
+                    _ = cancelled(&core) => {}
                     _ = tokio::time::sleep(d + FINE_BELOW) => {}
                 }
                 timer.disarm(index);
@@ -454,6 +465,7 @@ async fn run(
                     biased;
                     msg = rx.recv(), if open => receive(msg, &mut open, &mut closing),
                     _ = shared.released[index].notified() => {}
+                    _ = cancelled(&core) => {}
                     _ = tokio::time::sleep(d.max(Duration::from_nanos(1))) => {}
                 }
             }

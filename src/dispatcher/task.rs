@@ -25,6 +25,8 @@ use super::state::Shared;
 pub(crate) trait Task: Send {
     /// The handle was dropped: nobody waits for the result.
     fn is_cancelled(&self) -> bool;
+    /// Ready once the handle was dropped; otherwise `cx` is woken when it is.
+    fn poll_cancelled(&mut self, cx: &mut std::task::Context<'_>) -> Poll<()>;
     /// The request will not run: the handle gets `err`.
     fn fail(self: Box<Self>, err: DispatchError);
     /// Starts the request on the current shard: a future runs as a task on its `LocalSet`; an
@@ -41,6 +43,10 @@ pub(crate) type BoxTask = Box<dyn Task>;
 impl Payload for BoxTask {
     fn is_cancelled(&self) -> bool {
         (**self).is_cancelled()
+    }
+
+    fn poll_cancelled(&mut self, cx: &mut std::task::Context<'_>) -> Poll<()> {
+        (**self).poll_cancelled(cx)
     }
 }
 
@@ -127,6 +133,10 @@ where
 {
     fn is_cancelled(&self) -> bool {
         self.tx.is_closed()
+    }
+
+    fn poll_cancelled(&mut self, cx: &mut std::task::Context<'_>) -> Poll<()> {
+        self.tx.poll_closed(cx)
     }
 
     fn fail(self: Box<Self>, err: DispatchError) {
