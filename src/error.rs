@@ -352,6 +352,26 @@ pub enum BuildError {
         /// The longest goal accepted.
         max: Duration,
     },
+    /// Not even one 4 KiB read or write of the disk model fits in the most one request may
+    /// cost: every read or write would be refused.
+    #[error(
+        "the disk model's smallest {kind} (4 KiB) takes {cost} ns of disk time, more than the \
+         {max_cost} ns one request may cost (max_cost; by default half the latency goal, \
+         {goal:?} here): set the latency goal to at least {needed_goal:?} (or max_cost to at \
+         least {cost}), or check the disk model's IOPS and bandwidth"
+    )]
+    DiskTooSlowForGoal {
+        /// `"read"` or `"write"`.
+        kind: &'static str,
+        /// The disk time of one 4 KiB request of that kind, in tokens (nanoseconds).
+        cost: u64,
+        /// The most one request may cost.
+        max_cost: u64,
+        /// The latency goal.
+        goal: Duration,
+        /// The smallest latency goal whose default `max_cost` fits one 4 KiB request.
+        needed_goal: Duration,
+    },
     /// A token amount (`max_cost` or `batch`) is 0 or above the bucket's limit.
     #[error("{what} = {value} must be in 1..={limit}")]
     TokensOutOfRange {

@@ -31,11 +31,10 @@ fn the_environment_variable_forces_the_blocking_pool() {
     let rt = tokio::runtime::Builder::new_current_thread()
         .build()
         .unwrap();
-    let buf = rt
-        .block_on(f.write_at(AlignedBuf::from_slice(&[3u8; 8192]).unwrap(), 4096))
-        .unwrap();
-    let (back, n) = rt.block_on(f.read_at(buf, 4096)).unwrap();
-    assert_eq!(n, 8192);
+    let (res, buf) = rt.block_on(f.write_at(AlignedBuf::from_slice(&[3u8; 8192]).unwrap(), 4096));
+    res.unwrap();
+    let (n, back) = rt.block_on(f.read_at(buf, 4096));
+    assert_eq!(n.unwrap(), 8192);
     assert!(back.iter().all(|&b| b == 3));
 
     std::env::set_var(BACKEND_ENV, "io_uring");

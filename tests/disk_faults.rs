@@ -78,11 +78,12 @@ fn full_disk_fails_the_write_before_writing_anything() {
     let rt = rt();
     // Some data first, which must survive untouched.
     let head = AlignedBuf::from_slice(&[5u8; 4096]).unwrap();
-    rt.block_on(f.write_at(head, 0)).unwrap();
+    rt.block_on(f.write_at(head, 0)).0.unwrap();
     let too_big = (free_bytes(&fs.mnt) as usize + (4 << 20)).next_multiple_of(4096);
     let requests_before = d.stats_blocking().classes[class.index()].requests;
     let err = rt
         .block_on(f.write_at(AlignedBuf::from_slice(&vec![7u8; too_big]).unwrap(), 4096))
+        .0
         .unwrap_err();
     match &err {
         DiskError::NoSpace {
@@ -102,10 +103,8 @@ fn full_disk_fails_the_write_before_writing_anything() {
         d.stats_blocking().classes[class.index()].requests,
         requests_before
     );
-    let (back, n) = rt
-        .block_on(f.read_at(AlignedBuf::zeroed(8192).unwrap(), 0))
-        .unwrap();
-    assert_eq!(n, 4096);
+    let (n, back) = rt.block_on(f.read_at(AlignedBuf::zeroed(8192).unwrap(), 0));
+    assert_eq!(n.unwrap(), 4096);
     assert!(back[..4096].iter().all(|&b| b == 5));
 }
 
@@ -124,6 +123,7 @@ fn without_reservation_a_full_disk_leaves_a_half_written_write() {
     let too_big = (free_bytes(&fs.mnt) as usize + (4 << 20)).next_multiple_of(4096);
     let err = rt()
         .block_on(f.write_at(AlignedBuf::from_slice(&vec![7u8; too_big]).unwrap(), 0))
+        .0
         .unwrap_err();
     assert!(
         matches!(

@@ -21,7 +21,7 @@ fn scratch() -> tempfile::TempDir {
 fn options(backend: Backend) -> FileOptions {
     FileOptions {
         backend,
-        max_piece: 64 * 1024,
+        max_piece: Some(64 * 1024),
         ..FileOptions::read_write()
     }
 }
@@ -36,21 +36,18 @@ fn round_trip(backend: Backend, expect: Resolved) {
     let len = 1 << 20;
     let data: Vec<u8> = (0..len).map(|i| (i * 7 + i / 4096) as u8).collect();
     let buf = AlignedBuf::from_slice(&data).unwrap();
-    let buf = rt.block_on(f.write_at(buf, 8 * ALIGN as u64)).unwrap();
+    let (res, buf) = rt.block_on(f.write_at(buf, 8 * ALIGN as u64));
+    res.unwrap();
     assert_eq!(buf.len(), len);
-    let (back, n) = rt
-        .block_on(f.read_at(AlignedBuf::zeroed(len).unwrap(), 8 * ALIGN as u64))
-        .unwrap();
-    assert_eq!(n, len);
+    let (n, back) = rt.block_on(f.read_at(AlignedBuf::zeroed(len).unwrap(), 8 * ALIGN as u64));
+    assert_eq!(n.unwrap(), len);
     assert!(back[..] == data[..], "read back what was written");
     // Read past the end: short, not an error.
-    let (_, n) = rt
-        .block_on(f.read_at(
-            AlignedBuf::zeroed(4 * ALIGN).unwrap(),
-            (8 * ALIGN + len - ALIGN) as u64,
-        ))
-        .unwrap();
-    assert_eq!(n, ALIGN);
+    let (n, _) = rt.block_on(f.read_at(
+        AlignedBuf::zeroed(4 * ALIGN).unwrap(),
+        (8 * ALIGN + len - ALIGN) as u64,
+    ));
+    assert_eq!(n.unwrap(), ALIGN);
     // Each 64 KiB piece was its own dispatcher request: 16 + 16 + 1.
     let stats = d.stats_blocking();
     assert_eq!(stats.classes[class.index()].requests, 33);
@@ -79,6 +76,7 @@ fn unaligned_offsets_and_pieces_are_refused_before_any_io() {
     let rt = rt();
     let err = rt
         .block_on(f.write_at(AlignedBuf::zeroed(ALIGN).unwrap(), 100))
+        .0
         .unwrap_err();
     assert!(matches!(
         err,
@@ -90,10 +88,12 @@ fn unaligned_offsets_and_pieces_are_refused_before_any_io() {
     ));
     let err = rt
         .block_on(f.read_at(AlignedBuf::zeroed(ALIGN).unwrap(), 512))
+        .0
         .unwrap_err();
     assert!(matches!(err, DiskError::Unaligned { what: "offset", .. }));
     let err = rt
         .block_on(f.write_at(AlignedBuf::zeroed(ALIGN).unwrap(), u64::MAX - 4095))
+        .0
         .unwrap_err();
     assert!(matches!(err, DiskError::OffsetOverflow { .. }));
     // Nothing was written or even submitted.
@@ -108,7 +108,7 @@ fn unaligned_offsets_and_pieces_are_refused_before_any_io() {
         })
     ));
     let bad_piece = FileOptions {
-        max_piece: 1000,
+        max_piece: Some(1000),
         ..FileOptions::read_write()
     };
     assert!(matches!(
@@ -139,12 +139,13 @@ fn a_piece_too_costly_for_the_dispatcher_is_refused_before_any_write() {
     let path = dir.path().join("data");
     // 1 MiB pieces cost ~1 ms of disk time, above the 0.2 ms allowed.
     let opts = FileOptions {
-        max_piece: 1 << 20,
+        max_piece: Some(1 << 20),
         ..FileOptions::read_write()
     };
     let f = ThrottledFile::open(d.clone(), class, &path, opts).unwrap();
     let err = rt()
         .block_on(f.write_at(AlignedBuf::zeroed(4 << 20).unwrap(), 0))
+        .0
         .unwrap_err();
     assert!(matches!(err, DiskError::Submit(_)), "{err:?}");
     assert_eq!(std::fs::metadata(&path).unwrap().len(), 0);
@@ -215,6 +216,7 @@ fn io_in_flight_does_not_block_the_shard_and_holds_capped_tokens() {
             writer
                 .write_at(AlignedBuf::from_slice(&[9u8; ALIGN]).unwrap(), 0)
                 .await
+                .0
         });
         tokio::task::yield_now().await;
         // Another request on the same (only) shard runs to completion meanwhile. Were the write
@@ -314,7 +316,8 @@ async fn deep_reads_see_their_own_blocks(
             &mut set,
             Box::pin(async move {
                 let buf = AlignedBuf::zeroed(n * ALIGN).unwrap();
-                let (buf, got) = f.read_at(buf, (first * ALIGN) as u64).await.unwrap();
+                let (got, buf) = f.read_at(buf, (first * ALIGN) as u64).await;
+                let got = got.unwrap();
                 assert_eq!(got, n * ALIGN, "another request's byte count");
                 for (k, block) in buf.chunks(ALIGN).enumerate() {
                     let i = first + k;
@@ -337,7 +340,7 @@ fn deep_concurrent_reads_each_get_their_own_blocks_off_and_on_the_shard() {
     stamped_file(&path, blocks);
     let (d, class) = dispatcher(true);
     let opts = FileOptions {
-        max_piece: 2 * ALIGN,
+        max_piece: Some(2 * ALIGN),
         ..options(Backend::IoUring)
     };
     let f = Arc::new(ThrottledFile::open(d.clone(), class, &path, opts).unwrap());

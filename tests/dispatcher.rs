@@ -8,7 +8,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use iothrottle::dispatcher::{
-    ClassConfig, ClassId, DiskModel, Dispatcher, DispatcherBuilder, DispatcherStats, IoRequest,
+    current_shard, ClassConfig, ClassId, DiskModel, Dispatcher, DispatcherBuilder, DispatcherStats,
+    IoRequest, JoinError, SpawnError,
 };
 use iothrottle::{BuildError, DispatchError, Rate, SubmitError};
 
@@ -1249,4 +1250,201 @@ fn start_hook_sets_the_shards_scheduling_policy() {
     // The builder's thread keeps its own policy.
     // SAFETY: as above.
     assert_eq!(unsafe { libc::sched_getscheduler(0) }, own);
+}
+
+// ---- the engine's own tasks on the shards -------------------------------------------------------
+
+fn two_shards() -> (Arc<Dispatcher>, ClassId) {
+    let mut b = Dispatcher::builder()
+        .disk(NVME)
+        .shards(2)
+        .pin_threads(false);
+    let c = b.add_class(ClassConfig::new("c", 100)).unwrap();
+    (Arc::new(b.build().unwrap()), c)
+}
+
+#[test]
+fn a_not_send_task_runs_on_the_shard_it_was_spawned_on_and_costs_no_tokens() {
+    use std::cell::Cell;
+    use std::rc::Rc;
+
+    let (d, _) = two_shards();
+    let rt = rt();
+    let h = d
+        .spawn_on(1, || {
+            // Made on the shard: an `Rc` held across an await (a `!Send` future).
+            let here = Rc::new(Cell::new(0));
+            async move {
+                here.set(1);
+                tokio::task::yield_now().await;
+                let shard = current_shard().expect("runs on a shard");
+                // A `!Send` output from a task spawned locally.
+                let local = shard.spawn_local(async { Rc::new(41) }).unwrap();
+                let got = *local.await.unwrap() + here.get();
+                (
+                    shard.index(),
+                    got,
+                    std::thread::current().name().map(str::to_owned),
+                )
+            }
+        })
+        .unwrap();
+    let (index, got, name) = rt.block_on(h).unwrap();
+    assert_eq!((index, got), (1, 42));
+    assert_eq!(name.as_deref(), Some("iothrottle-shard-1"));
+    assert!(current_shard().is_none(), "not a shard here");
+    let stats = d.stats_blocking();
+    assert_eq!(stats.classes[0].requests, 0);
+    assert_eq!(stats.classes[0].tokens, 0, "a task is not charged tokens");
+    assert!(matches!(
+        d.spawn_on(2, || async {}),
+        Err(SpawnError::UnknownShard {
+            shard: 2,
+            shards: 2
+        })
+    ));
+    d.shutdown();
+}
+
+#[test]
+fn panics_in_spawned_tasks_are_caught_counted_and_the_shard_keeps_running() {
+    let (d, _) = two_shards();
+    let rt = rt();
+    let h = d
+        .spawn_on(0, || async {
+            tokio::task::yield_now().await;
+            panic!("boom in the task")
+        })
+        .unwrap();
+    match rt.block_on(h) {
+        Err(JoinError::Panicked { message }) => assert_eq!(message, "boom in the task"),
+        other => panic!("expected a panic, got {other:?}"),
+    }
+    assert_eq!(d.panics(), 1);
+    // The closure that makes the future panics, on the shard.
+    let h = d
+        .spawn_on(0, || -> std::future::Ready<()> { panic!("boom making it") })
+        .unwrap();
+    assert_eq!(
+        rt.block_on(h),
+        Err(JoinError::Panicked {
+            message: "boom making it".to_owned()
+        })
+    );
+    assert_eq!(d.panics(), 2);
+    // The shard still runs tasks.
+    assert_eq!(rt.block_on(d.spawn_on(0, || async { 7 }).unwrap()), Ok(7));
+    d.shutdown();
+}
+
+/// Sets its flag when dropped.
+struct DropFlag(Arc<AtomicBool>);
+
+impl Drop for DropFlag {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+#[test]
+fn shutdown_cancels_running_spawned_tasks_and_takes_no_new_ones() {
+    for now in [false, true] {
+        let (d, _) = two_shards();
+        let rt = rt();
+        let dropped = Arc::new(AtomicBool::new(false));
+        let (started_tx, started) = std::sync::mpsc::channel();
+        let flag = DropFlag(dropped.clone());
+        // A task that never ends on its own (a server loop).
+        let h = d
+            .spawn_on(1, move || async move {
+                let _flag = flag;
+                started_tx.send(()).unwrap();
+                std::future::pending::<()>().await
+            })
+            .unwrap();
+        started.recv().unwrap();
+        if now {
+            d.shutdown_now();
+        } else {
+            d.shutdown();
+        }
+        // `shutdown` returned: the task was dropped, its handle says so.
+        assert!(dropped.load(Ordering::SeqCst), "the task was not dropped");
+        assert_eq!(rt.block_on(h), Err(JoinError::Cancelled));
+        assert!(matches!(
+            d.spawn_on(0, || async {}),
+            Err(SpawnError::ShutDown)
+        ));
+        assert!(matches!(d.spawn(|| async {}), Err(SpawnError::ShutDown)));
+    }
+}
+
+#[test]
+fn io_submitted_from_a_shard_task_is_dispatched_on_that_shard() {
+    let (d, c) = two_shards();
+    let rt = rt();
+    let d2 = d.clone();
+    let h = d
+        .spawn_on(1, move || async move {
+            let task = std::thread::current().id();
+            let shard = current_shard().unwrap();
+            let local = shard
+                .submit(c, IoRequest::read(4096), async {
+                    std::thread::current().id()
+                })
+                .unwrap();
+            // The dispatcher's own `submit` from a shard stays there too.
+            let via = d2
+                .submit(c, IoRequest::read(4096), async {
+                    std::thread::current().id()
+                })
+                .unwrap();
+            (task, local.await.unwrap(), via.await.unwrap())
+        })
+        .unwrap();
+    let (task, local, via) = rt.block_on(h).unwrap();
+    assert_ne!(task, std::thread::current().id());
+    assert_eq!(local, task, "dispatched on another thread");
+    assert_eq!(via, task, "dispatched on another thread");
+    let stats = d.stats_blocking();
+    assert_eq!(stats.shards[1].classes[0].requests, 2);
+    assert_eq!(stats.shards[0].classes[0].requests, 0);
+    d.shutdown();
+}
+
+#[test]
+fn spawn_picks_the_shard_with_the_fewest_running_tasks() {
+    let (d, _) = two_shards();
+    let rt = rt();
+    let (release_tx, release) = tokio::sync::oneshot::channel::<()>();
+    let (where_tx, where_rx) = std::sync::mpsc::channel();
+    let first = d
+        .spawn(|| async move {
+            where_tx.send(current_shard().unwrap().index()).unwrap();
+            let _ = release.await;
+        })
+        .unwrap();
+    let busy = where_rx.recv().unwrap();
+    // The first runs until released: every next one goes to the other shard, whatever the
+    // round-robin position says.
+    for _ in 0..4 {
+        let next = d
+            .spawn(|| async { current_shard().unwrap().index() })
+            .unwrap();
+        assert_eq!(rt.block_on(next), Ok(1 - busy));
+    }
+    release_tx.send(()).unwrap();
+    assert_eq!(rt.block_on(first), Ok(()));
+    // Both idle now: the round-robin spreads them.
+    let spread: std::collections::HashSet<usize> = (0..2)
+        .map(|_| {
+            d.spawn(|| async { current_shard().unwrap().index() })
+                .unwrap()
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|h| rt.block_on(h).unwrap())
+        .collect();
+    assert_eq!(spread.len(), 2);
+    d.shutdown();
 }

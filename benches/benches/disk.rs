@@ -184,7 +184,8 @@ fn throttled(
         keep_deep(depth, &offsets, |set, buf, off| {
             let f = file.clone();
             set.spawn(async move {
-                let (buf, n) = f.read_at(buf, off).await.unwrap();
+                let (n, buf) = f.read_at(buf, off).await;
+                let n = n.unwrap();
                 assert_eq!(n, ALIGN);
                 buf
             });
@@ -549,7 +550,8 @@ fn on_shard(
             keep_deep(depth, &offsets, |set, buf, off| {
                 let f = f.clone();
                 set.spawn_local(async move {
-                    let (buf, n) = f.read_at(buf, off).await.unwrap();
+                    let (n, buf) = f.read_at(buf, off).await;
+                    let n = n.unwrap();
                     assert_eq!(n, ALIGN);
                     buf
                 });

@@ -83,7 +83,8 @@ pub struct Calibration {
 /// sequential reads and writes of [`sequential_size`](CalibrateOptions::sequential_size). All
 /// I/O is O_DIRECT on a scratch file
 /// of [`file_size`](CalibrateOptions::file_size) that is reserved (`fallocate`), written once,
-/// measured with time-based runs, and removed; every phase that writes is flushed
+/// measured with time-based runs, and removed (unlinked as soon as it is open, so that not even
+/// Ctrl-C or `SIGKILL` leaves it behind); every phase that writes is flushed
 /// (`fdatasync`, outside the figures) before the next one starts and before calibration returns,
 /// so that no figure starts with an earlier phase's writes unflushed. Each figure is a sustained
 /// one, as fio measures it: a ramp of up to one second is discarded (a virtio disk's host cache
@@ -123,6 +124,14 @@ pub fn calibrate_detailed(
     let path = dir.join(format!(".iothrottle-calibrate-{}.tmp", std::process::id()));
     let scratch = Scratch(path.clone());
     let file = open_direct(&path, true, true)?;
+    // Unlinked at once: the open descriptor keeps the file, and the kernel frees its blocks
+    // when the descriptor closes, however the process ends (Ctrl-C, SIGKILL, a panic that
+    // aborts), not only when this function returns. The guard covers the moment before.
+    std::fs::remove_file(&path).map_err(|source| DiskError::Io {
+        op: "unlink the scratch file",
+        path: path.clone(),
+        source,
+    })?;
     let fd = file.as_raw_fd();
     let io_err = |op: &'static str| {
         let path = path.clone();
@@ -273,7 +282,7 @@ fn check_options(o: &CalibrateOptions) -> Result<(), CalibrateError> {
     Ok(())
 }
 
-/// Removes the scratch file when calibration ends, however it ends.
+/// Removes the scratch file if calibration ends between creating and unlinking it.
 struct Scratch(PathBuf);
 
 impl Drop for Scratch {

@@ -1,5 +1,6 @@
 //! [`ThrottledFile`]: positional O_DIRECT reads and writes through a [`Dispatcher`] class.
 
+use std::any::Any;
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::OpenOptionsExt;
@@ -10,8 +11,12 @@ use crate::error::{DiskError, SubmitError};
 use crate::sync::Arc;
 
 use super::backend::{self, Backend, OpKind, RawIo, Resolved};
-use super::buf::{check_len, AlignedBuf, ALIGN};
+use super::buf::{check_addr, check_len, AlignedBuf, IoBuf, IoBufMut, ALIGN};
 use super::fs::{fs_name, memory_fs};
+
+/// A result and the buffer that went into the call, handed back whatever the outcome (the
+/// tokio-uring / glommio convention: a block cache keeps its buffer on an error too).
+pub type BufResult<T, B> = (Result<T, DiskError>, B);
 
 /// How a [`ThrottledFile`] is opened and how it issues I/O.
 #[derive(Debug, Clone)]
@@ -20,15 +25,20 @@ pub struct FileOptions {
     pub write: bool,
     /// Create the file if it does not exist (needs `write`).
     pub create: bool,
-    /// The largest piece one dispatcher request carries, a positive multiple of [`ALIGN`]
-    /// (default 128 KiB). A larger read or write is split into pieces of at most this size, each
-    /// its own request with its own cost.
-    pub max_piece: usize,
+    /// The largest piece one dispatcher request carries, a positive multiple of [`ALIGN`], or
+    /// `None` (the default) to derive it per class and per direction: the largest 4 KiB-aligned
+    /// piece whose cost stays within both the dispatcher's
+    /// [`max_piece`](Dispatcher::max_piece) and the class's
+    /// [in-flight bound](crate::dispatcher::ClassConfig::with_max_in_flight) (at least one
+    /// 4 KiB block). A larger read or write is split into pieces of at most this size, each its
+    /// own request with its own cost.
+    pub max_piece: Option<usize>,
     /// io_uring, the blocking pool, or automatic (default).
     pub backend: Backend,
     /// Reserve each write's range (`fallocate`) before writing it (default `true`): a full disk
     /// then fails the write before any byte of it is written. Off, a write into a hole can stop
-    /// half-way on `ENOSPC`.
+    /// half-way on `ENOSPC`. The reservation is not charged to any class: it allocates blocks
+    /// and moves no data (on ext4 and xfs it writes only metadata, through the journal).
     pub reserve_writes: bool,
 }
 
@@ -37,7 +47,7 @@ impl Default for FileOptions {
         FileOptions {
             write: false,
             create: false,
-            max_piece: 128 * 1024,
+            max_piece: None,
             backend: Backend::Auto,
             reserve_writes: true,
         }
@@ -55,18 +65,26 @@ impl FileOptions {
     }
 }
 
-/// A file opened with `O_DIRECT` whose reads and writes are dispatcher requests of one class.
+/// A file opened with `O_DIRECT` whose reads and writes are dispatcher requests.
 ///
-/// Each [`read_at`](Self::read_at) / [`write_at`](Self::write_at) is split into pieces of at most
-/// [`FileOptions::max_piece`] bytes; each piece is submitted with
+/// The file has a default class, used by [`read_at`](Self::read_at) and
+/// [`write_at`](Self::write_at); [`read_at_in`](Self::read_at_in) and
+/// [`write_at_in`](Self::write_at_in) name the class per request, so one open SST serves a
+/// query's reads as foreground and a compaction's as background.
+///
+/// Each transfer is split into pieces (see [`FileOptions::max_piece`]: by default as large as
+/// the dispatcher and the class's in-flight bound allow); each piece is submitted with
 /// [`Dispatcher::submit`] and an [`IoRequest`] of its own size, and its future *is* the I/O: it
 /// completes when the kernel completes the piece, so in capped mode the piece's tokens return
 /// to the bucket when the disk has done the work. The I/O runs on io_uring (or the blocking
 /// pool): the shard's runtime is never blocked by a read or a write.
 ///
-/// Buffers are [`AlignedBuf`]s, moved in and handed back, so the kernel never writes memory
-/// the caller can see. Offsets must be multiples of [`ALIGN`]; that and every other check is
-/// made before anything is submitted.
+/// Buffers are any [`IoBuf`] / [`IoBufMut`] (an [`AlignedBuf`] is the easy choice), moved in
+/// and handed back with the result ([`BufResult`]), on success and on error alike, so the
+/// kernel never writes memory the caller can see. If the call's future is dropped while pieces
+/// are in flight, the buffer stays alive until the last of them completes and is then dropped.
+/// Addresses, lengths and offsets must be multiples of [`ALIGN`]; that and every other check
+/// is made before anything is submitted.
 ///
 /// Opening and the `fallocate` reservation of a write are not throttled (they move no data).
 #[derive(Debug)]
@@ -76,12 +94,14 @@ pub struct ThrottledFile {
     dispatcher: Arc<Dispatcher>,
     class: ClassId,
     backend: Resolved,
-    max_piece: usize,
+    /// The piece size of each class, `[read, write]`; 0 where not even one aligned block fits.
+    pieces: Box<[[usize; 2]]>,
     reserve: bool,
 }
 
 impl ThrottledFile {
-    /// Opens `path` with `O_DIRECT` for requests of `class` on `dispatcher`.
+    /// Opens `path` with `O_DIRECT` for requests of `class` (the default class) on
+    /// `dispatcher`.
     ///
     /// Errors: [`DiskError::NotADisk`] on tmpfs/ramfs, [`DiskError::DirectIoUnsupported`] when
     /// the file system refuses O_DIRECT (a file this call created is removed again),
@@ -93,13 +113,7 @@ impl ThrottledFile {
         options: FileOptions,
     ) -> Result<Self, DiskError> {
         let path = path.as_ref().to_owned();
-        if options.max_piece == 0 || !options.max_piece.is_multiple_of(ALIGN) {
-            return Err(DiskError::Unaligned {
-                what: "max piece size",
-                value: options.max_piece as u64,
-                align: ALIGN as u64,
-            });
-        }
+        check_max_piece(&options)?;
         let file = open_direct(&path, options.write, options.create)?;
         Self::from_file(dispatcher, class, file, path, options)
     }
@@ -115,13 +129,7 @@ impl ThrottledFile {
         options: FileOptions,
     ) -> Result<Self, DiskError> {
         let path = name.as_ref().to_owned();
-        if options.max_piece == 0 || !options.max_piece.is_multiple_of(ALIGN) {
-            return Err(DiskError::Unaligned {
-                what: "max piece size",
-                value: options.max_piece as u64,
-                align: ALIGN as u64,
-            });
-        }
+        check_max_piece(&options)?;
         // SAFETY: F_GETFL on an fd owned by `file`; no pointers.
         let flags = unsafe { libc::fcntl(std::os::fd::AsRawFd::as_raw_fd(&file), libc::F_GETFL) };
         if flags < 0 {
@@ -139,13 +147,19 @@ impl ThrottledFile {
             path: path.clone(),
             source,
         })?;
+        let pieces = (0..dispatcher.classes())
+            .map(|c| {
+                [IoKind::Read, IoKind::Write]
+                    .map(|kind| piece_size(&dispatcher, ClassId(c), kind, options.max_piece))
+            })
+            .collect();
         Ok(ThrottledFile {
             file: Arc::new(file),
             path,
             dispatcher,
             class,
             backend,
-            max_piece: options.max_piece,
+            pieces,
             reserve: options.reserve_writes,
         })
     }
@@ -165,46 +179,91 @@ impl ThrottledFile {
         &self.file
     }
 
-    /// Reads `buf.len()` bytes at `offset` (a multiple of [`ALIGN`]) into `buf`; returns the
-    /// buffer and the bytes read, fewer than asked only at the end of the file (the count of
-    /// the leading pieces read in full, plus the first short one).
-    ///
-    /// On error the buffer is dropped.
-    pub async fn read_at(
-        &self,
-        buf: AlignedBuf,
-        offset: u64,
-    ) -> Result<(AlignedBuf, usize), DiskError> {
-        let (buf, done) = self.transfer(IoKind::Read, buf, offset).await?;
-        Ok((buf, done))
+    /// The default class (of [`read_at`](Self::read_at) and [`write_at`](Self::write_at)).
+    pub fn class(&self) -> ClassId {
+        self.class
     }
 
-    /// Writes all of `buf` at `offset` (a multiple of [`ALIGN`]); returns the buffer.
+    /// The largest piece a transfer of `kind` in `class` is cut into, in bytes, or `None` for
+    /// an unknown class or when not even one 4 KiB block fits the dispatcher's
+    /// [`max_cost`](Dispatcher::max_cost).
+    pub fn piece_size(&self, class: ClassId, kind: IoKind) -> Option<usize> {
+        let p = self.pieces.get(class.0)?[kind_index(kind)];
+        (p > 0).then_some(p)
+    }
+
+    /// Reads `buf.bytes_total()` bytes at `offset` (a multiple of [`ALIGN`]) into `buf`, in the
+    /// file's default class; hands back the buffer with the bytes read, fewer than asked only
+    /// at the end of the file (the count of the leading pieces read in full, plus the first
+    /// short one), or with the error.
+    pub async fn read_at<B: IoBufMut>(&self, buf: B, offset: u64) -> BufResult<usize, B> {
+        self.read_at_in(self.class, buf, offset).await
+    }
+
+    /// [`read_at`](Self::read_at) as a request of `class`.
+    pub async fn read_at_in<B: IoBufMut>(
+        &self,
+        class: ClassId,
+        mut buf: B,
+        offset: u64,
+    ) -> BufResult<usize, B> {
+        let len = buf.bytes_total();
+        let ptr = buf.stable_mut_ptr();
+        if let Err(e) = check_buf(ptr, len) {
+            return (Err(e), buf);
+        }
+        // SAFETY: `ptr` is `buf`'s stable memory of `bytes_total()` bytes (the `IoBuf`
+        // contract), kept alive by the view until `into_caller` takes `buf` back.
+        let view = unsafe { into_view(buf, ptr, len) };
+        let (res, view) = self.transfer(class, IoKind::Read, view, offset).await;
+        let mut buf = into_caller::<B>(view);
+        if let Ok(n) = res {
+            // SAFETY: the kernel wrote the first `n` bytes (the leading pieces in full).
+            unsafe { buf.set_init(n) };
+        }
+        (res, buf)
+    }
+
+    /// Writes all of `buf`'s `bytes_init()` bytes at `offset` (a multiple of [`ALIGN`]) in the
+    /// file's default class; hands back the buffer with the outcome.
     ///
     /// With [`FileOptions::reserve_writes`] (the default) the whole range is reserved first, so
     /// a full disk or a file-size limit is [`DiskError::NoSpace`] with nothing written. A piece
-    /// the kernel completes only in part is [`DiskError::ShortWrite`]. On error the buffer is
-    /// dropped.
+    /// the kernel completes only in part is [`DiskError::ShortWrite`].
     ///
     /// One case can still leave a write half-done: the dispatcher shutting down between the
     /// submissions of two pieces (the pieces already dispatched run; the rest are refused).
-    pub async fn write_at(&self, buf: AlignedBuf, offset: u64) -> Result<AlignedBuf, DiskError> {
-        let len = buf.len();
-        let (buf, done) = self.transfer(IoKind::Write, buf, offset).await?;
-        if done != len {
-            return Err(DiskError::ShortWrite {
-                offset,
-                done: done as u64,
-                len: len as u64,
-            });
-        }
-        Ok(buf)
+    pub async fn write_at<B: IoBuf>(&self, buf: B, offset: u64) -> BufResult<(), B> {
+        self.write_at_in(self.class, buf, offset).await
     }
 
-    /// The pieces of a `len`-byte transfer: `(start, len)`, each at most `max_piece`.
-    fn pieces(&self, len: usize) -> impl Iterator<Item = (usize, usize)> + Clone {
-        let max = self.max_piece;
-        (0..len).step_by(max).map(move |s| (s, max.min(len - s)))
+    /// [`write_at`](Self::write_at) as a request of `class`.
+    pub async fn write_at_in<B: IoBuf>(
+        &self,
+        class: ClassId,
+        buf: B,
+        offset: u64,
+    ) -> BufResult<(), B> {
+        let len = buf.bytes_init();
+        let ptr = buf.stable_ptr().cast_mut();
+        if let Err(e) = check_buf(ptr, len) {
+            return (Err(e), buf);
+        }
+        // SAFETY: as in `read_at_in`; the kernel only reads the memory of a write.
+        let view = unsafe { into_view(buf, ptr, len) };
+        let (res, view) = self.transfer(class, IoKind::Write, view, offset).await;
+        let res = res.and_then(|done| {
+            if done == len {
+                Ok(())
+            } else {
+                Err(DiskError::ShortWrite {
+                    offset,
+                    done: done as u64,
+                    len: len as u64,
+                })
+            }
+        });
+        (res, into_caller::<B>(view))
     }
 
     fn io_error(&self, op: &'static str, offset: u64, len: usize, source: io::Error) -> DiskError {
@@ -222,14 +281,15 @@ impl ThrottledFile {
         }
     }
 
-    async fn transfer(
+    /// Checks what can be checked before any I/O: the offset, the range, the class and the
+    /// first piece's cost.
+    fn precheck(
         &self,
+        class: ClassId,
         kind: IoKind,
-        buf: AlignedBuf,
+        len: usize,
         offset: u64,
-    ) -> Result<(AlignedBuf, usize), DiskError> {
-        let len = buf.len();
-        check_len(len)?;
+    ) -> Result<usize, DiskError> {
         if !offset.is_multiple_of(ALIGN as u64) {
             return Err(DiskError::Unaligned {
                 what: "offset",
@@ -247,21 +307,21 @@ impl ThrottledFile {
                 len: len as u64,
             });
         }
-        let (op, opkind, request): (_, _, fn(u64) -> IoRequest) = match kind {
-            IoKind::Read => ("read", OpKind::Read, IoRequest::read),
-            IoKind::Write => ("write", OpKind::Write, IoRequest::write),
+        let Some(classes) = self.pieces.get(class.0) else {
+            return Err(DiskError::Submit(SubmitError::UnknownClass {
+                class: class.0,
+                classes: self.pieces.len(),
+            }));
         };
+        let piece = classes[kind_index(kind)];
         // The first piece is the largest and the cost grows with the bytes: if it fits a
         // request, every piece does. Checked before anything is submitted, as a refusal
         // half-way would leave a write half-done.
-        let costed = |plen: usize| {
-            let req = request(plen as u64);
-            (req, self.dispatcher.cost(&req))
-        };
-        let (first, first_cost) = costed(len.min(self.max_piece));
-        if first_cost > self.dispatcher.max_cost() {
+        let first = request(kind, len.min(piece.max(ALIGN)));
+        let cost = self.dispatcher.cost(&first);
+        if piece == 0 || cost > self.dispatcher.max_cost() {
             return Err(DiskError::Submit(SubmitError::TooLarge {
-                cost: first_cost,
+                cost,
                 max_cost: self.dispatcher.max_cost(),
                 max_bytes: self
                     .dispatcher
@@ -269,6 +329,25 @@ impl ThrottledFile {
                     .max_bytes_within(kind, self.dispatcher.max_cost()),
             }));
         }
+        Ok(piece)
+    }
+
+    async fn transfer(
+        &self,
+        class: ClassId,
+        kind: IoKind,
+        buf: AlignedBuf,
+        offset: u64,
+    ) -> (Result<usize, DiskError>, AlignedBuf) {
+        let len = buf.len();
+        let piece = match self.precheck(class, kind, len, offset) {
+            Ok(p) => p,
+            Err(e) => return (Err(e), buf),
+        };
+        let (op, opkind) = match kind {
+            IoKind::Read => ("read", OpKind::Read),
+            IoKind::Write => ("write", OpKind::Write),
+        };
         if kind == IoKind::Write && self.reserve {
             let reserve = RawIo {
                 kind: OpKind::Fallocate,
@@ -278,12 +357,17 @@ impl ThrottledFile {
                 len,
                 offset,
             };
-            backend::run(self.backend, reserve)
-                .await
-                .map_err(|e| self.io_error("reserve (fallocate)", offset, len, e))?;
+            if let Err(e) = backend::run(self.backend, reserve).await {
+                return (
+                    Err(self.io_error("reserve (fallocate)", offset, len, e)),
+                    buf,
+                );
+            }
         }
         let shared = Arc::new(buf);
-        let submit = |start: usize, plen: usize, (req, cost): (IoRequest, u64)| {
+        let submit = |start: usize, plen: usize| {
+            let req = request(kind, plen);
+            let cost = self.dispatcher.cost(&req);
             let io = RawIo {
                 kind: opkind,
                 file: self.file.clone(),
@@ -294,25 +378,41 @@ impl ThrottledFile {
             };
             let (task, handle) = backend::io_task(self.backend, io);
             self.dispatcher
-                .submit_costed(self.class, req, cost, task)
+                .submit_costed(class, req, cost, task)
                 .map(|()| handle)
         };
-        let done = if len <= self.max_piece {
+        let res = if len <= piece {
             // One piece (a 4 KiB read): no list of handles.
-            let handle = submit(0, len, (first, first_cost))?;
-            self.settle(op, offset, std::iter::once((handle, (0, len))))
-                .await?
-        } else {
-            let pieces = self.pieces(len);
-            let mut handles: Vec<IoHandle<io::Result<usize>>> =
-                Vec::with_capacity(len.div_ceil(self.max_piece));
-            for (start, plen) in pieces.clone() {
-                handles.push(submit(start, plen, costed(plen))?);
+            match submit(0, len) {
+                Ok(handle) => {
+                    self.settle(op, offset, std::iter::once((handle, (0, len))))
+                        .await
+                }
+                Err(e) => Err(DiskError::Submit(e)),
             }
-            self.settle(op, offset, handles.into_iter().zip(pieces))
-                .await?
+        } else {
+            let pieces = (0..len).step_by(piece).map(|s| (s, piece.min(len - s)));
+            let mut handles: Vec<(PieceHandle, (usize, usize))> =
+                Vec::with_capacity(len.div_ceil(piece));
+            let mut refused = None;
+            for (start, plen) in pieces {
+                match submit(start, plen) {
+                    Ok(h) => handles.push((h, (start, plen))),
+                    Err(e) => {
+                        refused = Some(DiskError::Submit(e));
+                        break;
+                    }
+                }
+            }
+            // Even after a refusal, wait for the pieces already submitted: the buffer comes
+            // back only once nothing is in flight on it.
+            let settled = self.settle(op, offset, handles.into_iter()).await;
+            match refused {
+                Some(e) => Err(e),
+                None => settled,
+            }
         };
-        Ok((reclaim(shared), done))
+        (res, reclaim(shared).await)
     }
 
     /// Waits for every piece, even after a failure, so that no piece is still in flight when
@@ -322,7 +422,7 @@ impl ThrottledFile {
         &self,
         op: &'static str,
         offset: u64,
-        pieces: impl Iterator<Item = (IoHandle<io::Result<usize>>, (usize, usize))>,
+        pieces: impl Iterator<Item = (PieceHandle, (usize, usize))>,
     ) -> Result<usize, DiskError> {
         let mut done = 0usize;
         let mut contiguous = true;
@@ -351,16 +451,110 @@ impl ThrottledFile {
     }
 }
 
-/// The buffer back from the pieces. Every piece's hold was dropped before its completion was
-/// reported (the backends drop it first), so the `Arc` is unique; should it not be, the bytes
-/// are copied (no I/O is in flight any more, so reading them is sound).
-fn reclaim(shared: Arc<AlignedBuf>) -> AlignedBuf {
-    match Arc::try_unwrap(shared) {
-        Ok(buf) => buf,
-        Err(shared) => {
-            let mut copy = AlignedBuf::zeroed(shared.len()).expect("same valid length");
-            copy.copy_from_slice(&shared);
-            copy
+/// A submitted piece's result: the kernel's byte count.
+type PieceHandle = IoHandle<io::Result<usize>>;
+
+fn kind_index(kind: IoKind) -> usize {
+    match kind {
+        IoKind::Read => 0,
+        IoKind::Write => 1,
+    }
+}
+
+fn request(kind: IoKind, len: usize) -> IoRequest {
+    IoRequest::new(kind, len as u64)
+}
+
+fn check_max_piece(options: &FileOptions) -> Result<(), DiskError> {
+    match options.max_piece {
+        Some(p) if p == 0 || !p.is_multiple_of(ALIGN) => Err(DiskError::Unaligned {
+            what: "max piece size",
+            value: p as u64,
+            align: ALIGN as u64,
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// Checks a caller's buffer for O_DIRECT: a positive multiple of [`ALIGN`] long, at an aligned
+/// address.
+fn check_buf(ptr: *const u8, len: usize) -> Result<(), DiskError> {
+    check_len(len)?;
+    check_addr(ptr)
+}
+
+/// The piece size of `kind` in `class`: `explicit`, or the largest aligned piece within both the
+/// dispatcher's `max_cost` and the class's in-flight bound (one aligned block when the bound is
+/// below even that: the bound then serialises the class's pieces); 0 when not even one aligned
+/// block fits `max_cost`.
+fn piece_size(d: &Dispatcher, class: ClassId, kind: IoKind, explicit: Option<usize>) -> usize {
+    if let Some(p) = explicit {
+        return p;
+    }
+    let Some(max) = d.max_piece(kind) else {
+        return 0;
+    };
+    let bound = d
+        .class_config(class)
+        .and_then(|c| c.max_in_flight())
+        .map(|t| u64::try_from(t.as_nanos()).unwrap_or(u64::MAX));
+    let within = match bound {
+        Some(b) if b < d.max_cost() => d
+            .disk()
+            .max_aligned_bytes_within(kind, b)
+            .unwrap_or(ALIGN as u64),
+        _ => max,
+    };
+    usize::try_from(within.min(max)).unwrap_or(usize::MAX & !(ALIGN - 1))
+}
+
+/// `buf` as the crate's buffer: itself when it is an [`AlignedBuf`], else a view of `len` bytes
+/// at `ptr` that keeps `buf` alive.
+///
+/// # Safety
+/// `ptr` is `buf`'s stable memory, valid for `len` bytes while `buf` lives.
+unsafe fn into_view<B: IoBuf>(buf: B, ptr: *mut u8, len: usize) -> AlignedBuf {
+    let mut slot = Some(buf);
+    if let Some(own) = (&mut slot as &mut dyn Any).downcast_mut::<Option<AlignedBuf>>() {
+        return own.take().expect("just filled");
+    }
+    let buf = slot.take().expect("just filled");
+    // SAFETY: the caller's guarantee.
+    unsafe { AlignedBuf::lend(buf, ptr, len) }
+}
+
+/// The caller's buffer back from [`into_view`].
+fn into_caller<B: 'static>(view: AlignedBuf) -> B {
+    match view.unlend::<B>() {
+        Ok(b) => b,
+        Err(own) => {
+            let mut slot = Some(own);
+            (&mut slot as &mut dyn Any)
+                .downcast_mut::<Option<B>>()
+                .expect("an owned buffer went in as an AlignedBuf")
+                .take()
+                .expect("just filled")
+        }
+    }
+}
+
+/// The buffer back from the pieces, once no piece holds it. A piece's hold is dropped when its
+/// operation completes or its request is refused, at most moments after its handle resolved:
+/// an owned buffer still shared is copied (no I/O is in flight any more, so reading it is
+/// sound); a caller's buffer is waited for (it cannot be copied), yielding in between.
+async fn reclaim(mut shared: Arc<AlignedBuf>) -> AlignedBuf {
+    loop {
+        match Arc::try_unwrap(shared) {
+            Ok(buf) => return buf,
+            Err(still) if !still.is_lent() => {
+                let mut copy = AlignedBuf::zeroed(still.len()).expect("same valid length");
+                copy.copy_from_slice(&still);
+                return copy;
+            }
+            Err(still) => {
+                shared = still;
+                tokio::task::yield_now().await;
+            }
         }
     }
 }

@@ -17,8 +17,10 @@
 //! let dispatcher = Arc::new(builder.build()?);
 //! let file = ThrottledFile::open(dispatcher, fg, "/var/lib/data/sst-1", FileOptions::read_write())?;
 //! let rt = tokio::runtime::Builder::new_current_thread().build()?;
-//! let buf = rt.block_on(file.write_at(AlignedBuf::zeroed(1 << 20)?, 0))?;
-//! let (buf, n) = rt.block_on(file.read_at(buf, 0))?;
+//! let (res, buf) = rt.block_on(file.write_at(AlignedBuf::zeroed(1 << 20)?, 0));
+//! res?;
+//! let (n, _buf) = rt.block_on(file.read_at(buf, 0));
+//! let n = n?;
 //! assert_eq!(n, 1 << 20);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
@@ -29,11 +31,12 @@ mod buf;
 mod calibrate;
 mod file;
 mod fs;
+mod pool;
 mod props;
+mod uring;
 
-pub(crate) use backend::reap_here;
 pub use backend::{Backend, Resolved, BACKEND_ENV};
-pub use buf::{AlignedBuf, ALIGN};
+pub use buf::{AlignedBuf, IoBuf, IoBufMut, ALIGN};
 pub use calibrate::{calibrate, calibrate_detailed, CalibrateOptions, Calibration, DepthStep};
-pub use file::{FileOptions, ThrottledFile};
+pub use file::{BufResult, FileOptions, ThrottledFile};
 pub use props::{mountpoint_of, DiskProperties, IoProperties};

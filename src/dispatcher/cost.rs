@@ -65,6 +65,13 @@ impl IoRequest {
         }
     }
 
+    /// A read or a write of `bytes`.
+    pub const fn new(kind: IoKind, bytes: u64) -> Self {
+        IoRequest {
+            shape: Shape::Io { kind, bytes },
+        }
+    }
+
     /// A request that costs exactly `tokens`, whatever the disk model (for work that is not a
     /// plain read or write). It has no bytes and cannot be split.
     pub const fn tokens(tokens: u64) -> Self {

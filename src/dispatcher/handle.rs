@@ -1,176 +1,13 @@
-//! Handles to submitted requests ([`IoHandle`], [`SplitHandle`]) and the type-erased task a
-//! shard carries for each request.
+//! Handles to submitted requests: [`IoHandle`], [`SplitHandle`].
 
-use std::any::Any;
-use std::cell::Cell;
 use std::fmt;
 use std::future::Future;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use pin_project_lite::pin_project;
 use tokio::sync::oneshot;
 
 use crate::error::DispatchError;
-
-use super::queue::Payload;
-use super::runner::Completion;
-
-/// A request's future and where its result goes, with the types erased.
-pub(crate) trait Task: Send {
-    /// The handle was dropped: nobody waits for the result.
-    fn is_cancelled(&self) -> bool;
-    /// The request will not run: the handle gets `err`.
-    fn fail(self: Box<Self>, err: DispatchError);
-    /// Starts the request on the current shard: a future runs as a task on its `LocalSet`; an
-    /// operation the disk module submits itself goes on the shard's ring. `done` is dropped
-    /// when the request ends (completes, panics, or is torn down with the runtime), which
-    /// releases its tokens; not inside this call, which runs within the shard's dispatch (the
-    /// one exception: a thread already destroying its thread-locals, where the disk module's
-    /// table is gone and the operation's `done` drops at once).
-    fn spawn_local(self: Box<Self>, done: Completion);
-}
-
-pub(crate) type BoxTask = Box<dyn Task>;
-
-impl Payload for BoxTask {
-    fn is_cancelled(&self) -> bool {
-        (**self).is_cancelled()
-    }
-}
-
-thread_local! {
-    /// User futures whose `poll` or `drop` panicked on this thread and were caught, not yet
-    /// added to their dispatcher's count (see [`take_panics`]).
-    static PANICS: Cell<u64> = const { Cell::new(0) };
-}
-
-pub(crate) fn count_panic() {
-    PANICS.with(|p| p.set(p.get() + 1));
-}
-
-/// The panics caught on this thread since the last call (a shard adds them to its
-/// dispatcher's count after each step).
-pub(crate) fn take_panics() -> u64 {
-    PANICS.with(|p| p.replace(0))
-}
-
-pin_project! {
-    /// A user future whose `Drop` may panic: dropping it (cancelled in a queue, failed at
-    /// shutdown, torn down with the runtime, or after it completed) catches the panic and
-    /// counts it, so that the shard thread survives.
-    struct Guarded<F> {
-        #[pin]
-        fut: Option<F>,
-    }
-
-    impl<F> PinnedDrop for Guarded<F> {
-        fn drop(this: Pin<&mut Self>) {
-            let mut fut = this.project().fut;
-            if catch_unwind(AssertUnwindSafe(|| fut.set(None))).is_err() {
-                count_panic();
-            }
-        }
-    }
-}
-
-/// Where a request's result goes: its [`IoHandle`] receives it.
-pub(crate) type ResultTx<T> = oneshot::Sender<Result<T, DispatchError>>;
-
-struct TaskImpl<F: Future> {
-    fut: Guarded<F>,
-    tx: ResultTx<F::Output>,
-}
-
-/// A handle and the sender of its result, for a [`Task`] that delivers the result itself.
-pub(crate) fn channel<T>() -> (ResultTx<T>, IoHandle<T>) {
-    let (tx, rx) = oneshot::channel();
-    (tx, IoHandle { rx })
-}
-
-/// A task that runs `fut` on the shard and sends its output to `tx`.
-pub(crate) fn boxed<F>(fut: F, tx: ResultTx<F::Output>) -> BoxTask
-where
-    F: Future + Send + 'static,
-    F::Output: Send + 'static,
-{
-    let fut = Guarded { fut: Some(fut) };
-    Box::new(TaskImpl { fut, tx })
-}
-
-/// A task for `fut` and the handle to its result.
-pub(crate) fn task<F>(fut: F) -> (BoxTask, IoHandle<F::Output>)
-where
-    F: Future + Send + 'static,
-    F::Output: Send + 'static,
-{
-    let (tx, handle) = channel();
-    (boxed(fut, tx), handle)
-}
-
-impl<F> Task for TaskImpl<F>
-where
-    F: Future + Send + 'static,
-    F::Output: Send + 'static,
-{
-    fn is_cancelled(&self) -> bool {
-        self.tx.is_closed()
-    }
-
-    fn fail(self: Box<Self>, err: DispatchError) {
-        let _ = self.tx.send(Err(err));
-    }
-
-    fn spawn_local(self: Box<Self>, done: Completion) {
-        let TaskImpl { fut, tx } = *self;
-        tokio::task::spawn_local(async move {
-            let _done = done;
-            let mut guarded = std::pin::pin!(fut);
-            let mut out = std::future::poll_fn(|cx| {
-                let Some(fut) = guarded.as_mut().project().fut.as_pin_mut() else {
-                    return Poll::Ready(Err(DispatchError::Panicked {
-                        message: "(polled after it ended)".to_owned(),
-                    }));
-                };
-                match catch_unwind(AssertUnwindSafe(|| fut.poll(cx))) {
-                    Ok(Poll::Ready(v)) => Poll::Ready(Ok(v)),
-                    Ok(Poll::Pending) => Poll::Pending,
-                    Err(panic) => {
-                        count_panic();
-                        Poll::Ready(Err(DispatchError::Panicked {
-                            message: panic_message(&*panic),
-                        }))
-                    }
-                }
-            })
-            .await;
-            // Drop the future before answering, so a panic in its `Drop` reaches the handle.
-            let mut slot = guarded.as_mut().project().fut;
-            if let Err(panic) = catch_unwind(AssertUnwindSafe(|| slot.set(None))) {
-                count_panic();
-                if out.is_ok() {
-                    out = Err(DispatchError::Panicked {
-                        message: format!("in drop: {}", panic_message(&*panic)),
-                    });
-                }
-            }
-            _done.count_panics();
-            let _ = tx.send(out);
-        });
-    }
-}
-
-/// A panic's message, when it carried a string.
-pub(crate) fn panic_message(panic: &(dyn Any + Send)) -> String {
-    if let Some(s) = panic.downcast_ref::<&str>() {
-        (*s).to_owned()
-    } else if let Some(s) = panic.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "(not a string)".to_owned()
-    }
-}
 
 /// The result of a submitted request: a future that resolves once the request's future has run
 /// on a shard.
@@ -181,6 +18,13 @@ pub(crate) fn panic_message(panic: &(dyn Any + Send)) -> String {
 #[must_use = "dropping the handle cancels the request unless it was already dispatched"]
 pub struct IoHandle<T> {
     rx: oneshot::Receiver<Result<T, DispatchError>>,
+}
+
+impl<T> IoHandle<T> {
+    /// The handle of the result `rx` receives.
+    pub(crate) fn new(rx: oneshot::Receiver<Result<T, DispatchError>>) -> Self {
+        IoHandle { rx }
+    }
 }
 
 impl<T> fmt::Debug for IoHandle<T> {

@@ -27,6 +27,17 @@ pub(crate) trait Payload {
     /// `true` when nobody waits for the result any more (the handle was dropped): the request
     /// is skipped and its tokens given back.
     fn is_cancelled(&self) -> bool;
+
+    /// Ready once [`is_cancelled`](Self::is_cancelled) is `true`; otherwise registers `cx` to
+    /// be woken when it becomes so (where the payload can tell: by default it never wakes, and
+    /// the shard finds the cancellation at its next poll).
+    fn poll_cancelled(&mut self, _cx: &mut std::task::Context<'_>) -> std::task::Poll<()> {
+        if self.is_cancelled() {
+            std::task::Poll::Ready(())
+        } else {
+            std::task::Poll::Pending
+        }
+    }
 }
 
 /// A queued request.

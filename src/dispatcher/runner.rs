@@ -6,7 +6,7 @@
 //! state on the hot path is the bucket and the classes' fairness counters.
 
 use std::cell::{Cell, RefCell};
-use std::rc::{Rc, Weak};
+use std::rc::Rc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -17,12 +17,16 @@ use tokio::sync::{oneshot, Notify};
 use crate::error::DispatchError;
 use crate::sync::Arc;
 
-use super::handle::{count_panic, panic_message, take_panics, BoxTask};
 use super::queue::Entry;
 use super::shard::{Next, ShardCore};
+use super::shard_io;
+use super::spawn::{self, SpawnJob};
+use super::state::Shared;
 use super::stats::ShardStats;
+use super::task::{
+    add_panics, count_panic, panic_message, Activity, BoxTask, Completion, InFlight,
+};
 use super::timer::{FineTimer, FINE_BELOW};
-use super::Shared;
 
 /// What reaches a shard through its channel.
 pub(crate) enum Msg {
@@ -31,6 +35,10 @@ pub(crate) enum Msg {
     Shutdown(ShutdownMode),
     /// Poll again: a run-time setting changed (rate, shares, cap).
     Wake,
+    /// Start a task of the engine's own on the shard ([`Dispatcher::spawn_on`]).
+    ///
+    /// [`Dispatcher::spawn_on`]: super::Dispatcher::spawn_on
+    Spawn(SpawnJob),
 }
 
 /// Where a shard sends a copy of its stats.
@@ -62,89 +70,6 @@ pub(crate) enum ShutdownMode {
     Cancel,
 }
 
-thread_local! {
-    /// On a shard thread: (dispatcher identity, shard index).
-    static CURRENT: Cell<Option<(usize, usize)>> = const { Cell::new(None) };
-}
-
-/// Whether the calling thread is a shard of some dispatcher (its runtime is current-thread, with
-/// an I/O driver).
-pub(crate) fn on_any_shard() -> bool {
-    CURRENT.with(|c| c.get()).is_some()
-}
-
-/// The shard of dispatcher `id` that the calling thread runs, if any.
-pub(crate) fn current_shard(id: usize) -> Option<usize> {
-    CURRENT
-        .with(|c| c.get())
-        .and_then(|(d, s)| (d == id).then_some(s))
-}
-
-/// Futures running on a shard, and the shared state their completions release tokens to (kept
-/// here so that a completion clones one `Rc`, not an `Arc`: no atomic per request).
-struct InFlight {
-    count: Cell<usize>,
-    idle: Notify,
-    shared: Arc<Shared>,
-    /// The shard's core, to record completions in its stats (gone once the shard stopped).
-    core: Weak<RefCell<ShardCore<BoxTask>>>,
-    /// Counts the shard's activity (a message received, a request dispatched or ended): an
-    /// idle shard polls until [`Shared::idle_poll`] after it last saw the count move.
-    activity: Activity,
-}
-
-/// A count of a shard's activity, for its idle poll. A count, not a time: recording activity
-/// costs no clock read (a shard would otherwise read the clock several times per request);
-/// the idle poll reads the clock once per round anyway and dates a change of the count to the
-/// round that sees it, at most one round (a few microseconds) late.
-#[derive(Debug, Default)]
-struct Activity(Cell<u64>);
-
-impl Activity {
-    /// Records activity.
-    fn touch(&self) {
-        self.0.set(self.0.get().wrapping_add(1));
-    }
-
-    fn count(&self) -> u64 {
-        self.0.get()
-    }
-}
-
-impl InFlight {
-    /// Records activity, for the idle poll.
-    fn touch(&self) {
-        self.activity.touch();
-    }
-}
-
-/// Held by a running request: when dropped (the future ended, or was torn down), its tokens are
-/// released (capped mode) and the shard's in-flight count drops.
-pub(crate) struct Completion {
-    cost: u64,
-    class: usize,
-    /// When the request was submitted and dispatched, on the dispatcher's clock.
-    times: (Duration, Duration),
-    inflight: Rc<InFlight>,
-}
-
-impl Completion {
-    /// Adds the panics caught on this shard so far to the dispatcher's count (before a
-    /// result reaches its handle, so the count is up to date for whoever awaits it).
-    pub(crate) fn count_panics(&self) {
-        add_panics(&self.inflight.shared);
-    }
-}
-
-/// Moves this thread's caught panics into the dispatcher's count.
-fn add_panics(shared: &Shared) {
-    let n = take_panics();
-    if n > 0 {
-        // Relaxed: a statistic.
-        shared.panics.fetch_add(n, crate::sync::Ordering::Relaxed);
-    }
-}
-
 /// Held by a shard thread: when it ends, however it ends, the dispatcher's exit latch counts
 /// it (and the panics caught in its last steps are counted).
 struct Exit(Arc<Shared>);
@@ -153,45 +78,6 @@ impl Drop for Exit {
     fn drop(&mut self) {
         add_panics(&self.0);
         self.0.exits.exited();
-    }
-}
-
-impl Drop for Completion {
-    fn drop(&mut self) {
-        let shared = &self.inflight.shared;
-        if let Some(lc) = shared.classes.latency() {
-            // Latency-target mode samples the end-to-end latency (submission → completion).
-            let latency = shared.clock.now().saturating_sub(self.times.0);
-            lc.record(self.class, latency);
-        }
-        shared.budget.release(self.cost);
-        let bounded = shared.classes.finish(self.class, self.cost);
-        if shared.budget.is_capped() || bounded {
-            // Capacity came back (the bucket's, or the class's in-flight bound): wake the
-            // shards that wait for it (every shard shares both).
-            for n in &shared.released {
-                n.notify_one();
-            }
-        }
-        #[cfg(feature = "metrics")]
-        crate::metrics::class_completed(
-            shared.classes.get(self.class).config.name(),
-            shared.clock.now().saturating_sub(self.times.1),
-        );
-        if let Some(core) = self.inflight.core.upgrade() {
-            // Completions run in the shard's tasks, never inside the loop's own borrow; should
-            // one ever overlap, the sample is skipped rather than panicking.
-            if let Ok(mut core) = core.try_borrow_mut() {
-                let now = self.inflight.shared.clock.now();
-                core.completed(self.class, self.cost, self.times, now);
-            }
-        }
-        self.inflight.touch();
-        let n = self.inflight.count.get() - 1;
-        self.inflight.count.set(n);
-        if n == 0 {
-            self.inflight.idle.notify_one();
-        }
     }
 }
 
@@ -221,6 +107,8 @@ pub(crate) struct Start {
     pub(crate) core: Option<core_affinity::CoreId>,
     pub(crate) hook: Option<(StartHook, std::sync::mpsc::SyncSender<std::io::Result<()>>)>,
     pub(crate) stop: Option<StopHook>,
+    /// The shard's own channel, for code running on it ([`spawn::current_shard`]).
+    pub(crate) tx: tokio::sync::mpsc::WeakUnboundedSender<Msg>,
 }
 
 /// Runs a shard's stop hook when dropped: as the thread ends, however it ends (a panic of the
@@ -283,12 +171,13 @@ pub(crate) fn spawn(
             let _stop = start.stop.map(|hook| OnStop { hook, index });
             // Owned here, after the hook's guard: even unwinding drops it before the hook runs.
             let rt = rt;
-            CURRENT.with(|c| c.set(Some((id, index))));
+            spawn::enter(id, index, shared.clone(), start.tx);
             let local = tokio::task::LocalSet::new();
             local.block_on(&rt, run(index, shared, rx, timer));
             // Dropping the LocalSet drops any future still running; their `Completion`s
             // release their tokens. Then the runtime, with the ring's reaper tasks.
             drop(local);
+            spawn::leave();
             drop(rt);
         })
 }
@@ -417,6 +306,16 @@ impl IdlePoll {
     }
 }
 
+/// Resolves when a request of the shard's outstanding reservation is cancelled: the shard then
+/// gives its tokens back at once instead of waiting for them to accrue.
+fn cancelled(core: &RefCell<ShardCore<BoxTask>>) -> impl std::future::Future<Output = ()> + '_ {
+    std::future::poll_fn(move |cx| match core.try_borrow_mut() {
+        Ok(mut core) => core.poll_reservation_cancelled(cx),
+        // Borrowed by a completion running inside this poll: looked at again at the next one.
+        Err(_) => std::task::Poll::Pending,
+    })
+}
+
 async fn run(
     index: usize,
     shared: Arc<Shared>,
@@ -462,6 +361,22 @@ async fn run(
         }
         // The loop polls the core next, which takes up the change.
         Msg::Wake => {}
+        // Dropped unrun once shutdown started: its handle resolves to `Cancelled`.
+        Msg::Spawn(job) => {
+            if closing.is_none() {
+                job();
+            }
+        }
+    };
+    // A message from the channel, or `None`: every sender is gone (the dispatcher was dropped),
+    // which shuts the shard down as `shutdown_now` does.
+    let receive = |msg: Option<Msg>, open: &mut bool, closing: &mut Option<ShutdownMode>| match msg
+    {
+        Some(msg) => handle(msg, closing),
+        None => {
+            *open = false;
+            *closing = Some(ShutdownMode::Cancel);
+        }
     };
 
     loop {
@@ -472,11 +387,12 @@ async fn run(
                     handle(msg, &mut closing);
                 }
                 Err(TryRecvError::Empty) => break,
-                Err(TryRecvError::Disconnected) => {
-                    open = false;
-                    closing = Some(ShutdownMode::Cancel);
-                }
+                Err(TryRecvError::Disconnected) => receive(None, &mut open, &mut closing),
             }
+        }
+        if closing.is_some() {
+            // Any shutdown cancels the spawned tasks (see `Dispatcher::spawn_on`).
+            spawn::close_current();
         }
         if closing == Some(ShutdownMode::Cancel) {
             let drained = core.borrow_mut().drain();
@@ -505,7 +421,7 @@ async fn run(
                 if open
                     && idle_poll
                         .poll(&rx, &inflight.activity, || {
-                            crate::disk::reap_here(POLL_MAX_IN_FLIGHT)
+                            shard_io::poll(POLL_MAX_IN_FLIGHT)
                         })
                         .await
                 {
@@ -515,13 +431,7 @@ async fn run(
                 // Relaxed: a statistic.
                 shared.parks[index].fetch_add(1, crate::sync::Ordering::Relaxed);
                 tokio::select! {
-                    msg = rx.recv(), if open => match msg {
-                        Some(msg) => handle(msg, &mut closing),
-                        None => {
-                            open = false;
-                            closing = Some(ShutdownMode::Cancel);
-                        }
-                    },
+                    msg = rx.recv(), if open => receive(msg, &mut open, &mut closing),
                     else => {}
                 }
             }
@@ -531,15 +441,10 @@ async fn run(
                 timer.arm(index, d, &timer_thread);
                 tokio::select! {
                     biased;
-                    msg = rx.recv(), if open => match msg {
-                        Some(msg) => handle(msg, &mut closing),
-                        None => {
-                            open = false;
-                            closing = Some(ShutdownMode::Cancel);
-                        }
-                    },
+                    msg = rx.recv(), if open => receive(msg, &mut open, &mut closing),
                     _ = timer.notify(index).notified() => {}
                     _ = shared.released[index].notified() => {}
+                    _ = cancelled(&core) => {}
                     _ = tokio::time::sleep(d + FINE_BELOW) => {}
                 }
                 timer.disarm(index);
@@ -551,27 +456,16 @@ async fn run(
                     .expect("only a gated shard waits for the mark");
                 tokio::select! {
                     biased;
-                    msg = rx.recv(), if open => match msg {
-                        Some(msg) => handle(msg, &mut closing),
-                        None => {
-                            open = false;
-                            closing = Some(ShutdownMode::Cancel);
-                        }
-                    },
+                    msg = rx.recv(), if open => receive(msg, &mut open, &mut closing),
                     _ = gate.wait_durable(tail) => {}
                 }
             }
             Next::WakeAfter(d) => {
                 tokio::select! {
                     biased;
-                    msg = rx.recv(), if open => match msg {
-                        Some(msg) => handle(msg, &mut closing),
-                        None => {
-                            open = false;
-                            closing = Some(ShutdownMode::Cancel);
-                        }
-                    },
+                    msg = rx.recv(), if open => receive(msg, &mut open, &mut closing),
                     _ = shared.released[index].notified() => {}
+                    _ = cancelled(&core) => {}
                     _ = tokio::time::sleep(d.max(Duration::from_nanos(1))) => {}
                 }
             }

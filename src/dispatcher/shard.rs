@@ -22,6 +22,7 @@
 //! order is decided close to dispatch.
 
 use std::marker::PhantomData;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use crate::sync::Arc;
@@ -51,7 +52,31 @@ pub(crate) enum Next {
 struct Reservation<P> {
     /// The bucket position the reservation ends at.
     tail: u64,
+    /// The tokens it claimed (the claim is `(tail - tokens, tail]`).
+    tokens: u64,
     entries: Vec<Entry<P>>,
+    /// Entries found cancelled when the shard last computed what it waits for.
+    cancelled: usize,
+}
+
+impl<P: Payload> Reservation<P> {
+    /// The position the shard waits for: the claim's start plus what its live entries cost.
+    /// Cancelled entries are given back as the throttle gives back a cancelled claim: as if
+    /// never made, so nobody waits for their tokens to accrue. Their tokens are refunded when
+    /// `head` reaches this position (at dispatch: everything before it is then served, so the
+    /// refund serves nobody early); with every entry cancelled that is the claim's start.
+    fn due(&mut self) -> u64 {
+        let (mut live, mut cancelled) = (0u64, 0usize);
+        for e in &self.entries {
+            if e.payload.is_cancelled() {
+                cancelled += 1;
+            } else {
+                live += e.cost;
+            }
+        }
+        self.cancelled = cancelled;
+        self.tail.wrapping_sub(self.tokens).wrapping_add(live)
+    }
 }
 
 /// One shard's state: its queues, its outstanding reservation, its stats.
@@ -94,6 +119,26 @@ impl<P: Payload> ShardCore<P> {
         self.queues.push(&self.shared.classes, entry);
     }
 
+    /// Ready when a request of the outstanding reservation was cancelled since the shard last
+    /// computed its wait (the wait may now be shorter: see [`Reservation::due`]); registers
+    /// `cx` for the cancellations otherwise.
+    pub(crate) fn poll_reservation_cancelled(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        let Some(res) = &mut self.reservation else {
+            return Poll::Pending;
+        };
+        let mut cancelled = 0;
+        for e in &mut res.entries {
+            if e.payload.poll_cancelled(cx).is_ready() {
+                cancelled += 1;
+            }
+        }
+        if cancelled > res.cancelled {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
+    }
+
     /// Nothing queued, nothing reserved.
     pub(crate) fn is_idle(&self) -> bool {
         self.queues.len() == 0 && self.reservation.is_none()
@@ -122,8 +167,9 @@ impl<P: Payload> ShardCore<P> {
                 self.shared.budget.replenish_at(now);
                 self.next_replenish = now + self.replenish_step;
             }
-            if let Some(res) = &self.reservation {
-                let d = self.shared.budget.deficiency(res.tail);
+            if let Some(res) = &mut self.reservation {
+                let due = res.due();
+                let d = self.shared.budget.deficiency(due);
                 if d > 0 {
                     let until_replenish = self.next_replenish.saturating_sub(now);
                     return Next::WakeAfter(
@@ -148,7 +194,12 @@ impl<P: Payload> ShardCore<P> {
                     if let Some(gate) = &self.shared.gate {
                         gate.on_grab(tail);
                     }
-                    self.reservation = Some(Reservation { tail, entries });
+                    self.reservation = Some(Reservation {
+                        tail,
+                        tokens,
+                        entries,
+                        cancelled: 0,
+                    });
                 }
                 Selection::Empty => return Next::Idle,
                 Selection::Blocked { behind, cap_wait } => {

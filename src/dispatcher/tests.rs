@@ -1,13 +1,16 @@
 //! Deterministic tests of the shard loop: several [`ShardCore`]s driven on one thread by a
 //! [`ManualClock`], sharing one bucket and the classes' fairness state exactly as the shard
-//! threads do. Every token is counted; nothing sleeps.
+//! threads do. Every token is counted; nothing sleeps. One file over the usual size: the
+//! simulator and the scenarios that drive it are read together.
 
 use std::time::Duration;
 
 use super::queue::{Entry, Payload};
 use super::shard::{Next, ShardCore};
 use super::*;
+use crate::bucket::Rate;
 use crate::clock::ManualClock;
+use crate::sync::Arc;
 
 /// A simulated request: which feed it came from.
 #[derive(Debug)]
@@ -1182,4 +1185,107 @@ fn a_zero_in_flight_bound_is_refused() {
         matches!(e, crate::error::BuildError::ZeroInFlightBound { .. }),
         "{e}"
     );
+}
+
+/// A payload whose cancellation the test decides after it was queued.
+#[derive(Debug)]
+struct Flag(std::rc::Rc<std::cell::Cell<bool>>);
+
+impl Payload for Flag {
+    fn is_cancelled(&self) -> bool {
+        self.0.get()
+    }
+}
+
+fn flagged(class: ClassId, cost: u64) -> (Entry<Flag>, std::rc::Rc<std::cell::Cell<bool>>) {
+    let flag = std::rc::Rc::new(std::cell::Cell::new(false));
+    let entry = Entry {
+        class: class.0,
+        cost,
+        bytes: 0,
+        submitted: Duration::ZERO,
+        payload: Flag(flag.clone()),
+    };
+    (entry, flag)
+}
+
+/// A request cancelled while its shard waits for its reservation's tokens gives them back as
+/// a cancelled throttle claim does (as if never made): neither its shard nor the shard whose
+/// reservation lies behind it waits for those tokens to accrue, and nothing is over-granted.
+#[test]
+fn a_request_cancelled_while_its_tokens_accrue_gives_them_back_at_once() {
+    let clock = ManualClock::new();
+    // One token per microsecond; uncapped, so only the rate decides when tokens are there.
+    let mut b = builder(2)
+        .clock(clock.clone())
+        .capped(false)
+        .rate(Rate::per_second(1_000_000));
+    let c = b.add_class(ClassConfig::new("c", 100)).unwrap();
+    let (shared, _) = b.shared().unwrap();
+    let (mut first, mut second) = (
+        ShardCore::<Flag>::new(shared.clone(), 0),
+        ShardCore::<Flag>::new(shared.clone(), 1),
+    );
+    let cost = shared.max_cost;
+    // An empty bucket at t = 0.
+    shared.budget.replenish_at(Duration::ZERO);
+    shared.budget.grab(shared.budget.limit());
+    let (entry, cancel) = flagged(c, cost);
+    first.enqueue(entry);
+    let wait = shared.budget.duration_for(cost);
+    assert_eq!(
+        first.poll(Duration::ZERO, &mut |_| {}),
+        Next::WakeAfter(wait)
+    );
+    // The second shard's reservation lies behind the first's.
+    let (entry, _) = flagged(c, cost);
+    second.enqueue(entry);
+    assert_eq!(
+        second.poll(Duration::ZERO, &mut |_| {}),
+        Next::WakeAfter(shared.budget.duration_for(2 * cost))
+    );
+    // Nothing cancelled yet: the shard's wake-up on cancellation stays quiet.
+    let waker = futures_noop_waker();
+    let mut cx = std::task::Context::from_waker(&waker);
+    assert!(first.poll_reservation_cancelled(&mut cx).is_pending());
+    cancel.set(true);
+    assert!(first.poll_reservation_cancelled(&mut cx).is_ready());
+    // The first shard gives the claim back at once, not at `wait`.
+    let mut dispatched = 0;
+    assert_eq!(
+        first.poll(Duration::ZERO, &mut |_| dispatched += 1),
+        Next::Idle
+    );
+    assert_eq!(dispatched, 0);
+    assert!(first.is_idle());
+    // The second now waits only for its own tokens.
+    assert_eq!(
+        second.poll(Duration::ZERO, &mut |_| {}),
+        Next::WakeAfter(wait)
+    );
+    // Not a token early: just before they accrue it still waits, then it goes.
+    let before = wait - Duration::from_micros(1);
+    clock.set(before).unwrap();
+    assert!(matches!(
+        second.poll(before, &mut |_| dispatched += 1),
+        Next::WakeAfter(_)
+    ));
+    assert_eq!(dispatched, 0);
+    // The next replenish (20 µs later) finds them there.
+    let then = before + Duration::from_micros(20);
+    clock.set(then).unwrap();
+    assert_eq!(second.poll(then, &mut |_| dispatched += 1), Next::Idle);
+    assert_eq!(dispatched, 1);
+    assert_eq!(shared.budget.deficiency(shared.budget.snapshot().tail), 0);
+    // Exactly what accrued since the claim's tokens were there: nothing over-granted.
+    assert_eq!(
+        shared.budget.snapshot().tokens(),
+        (then - wait).as_micros() as i64,
+        "nothing over-granted"
+    );
+}
+
+/// A waker that does nothing (the test polls by hand).
+fn futures_noop_waker() -> std::task::Waker {
+    std::task::Waker::noop().clone()
 }

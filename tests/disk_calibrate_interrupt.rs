@@ -1,0 +1,79 @@
+//! Calibration interrupted by Ctrl-C leaves no scratch file: a child process (this test binary,
+//! running the ignored `calibrating_child`) calibrates, the parent sends it `SIGINT` while its
+//! scratch file is open, and the directory is empty afterwards.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use iothrottle::disk::{calibrate, CalibrateOptions};
+
+const CHILD_DIR: &str = "IOTHROTTLE_CALIBRATE_CHILD_DIR";
+const SCRATCH_PREFIX: &str = ".iothrottle-calibrate-";
+
+/// The child: calibrates in the directory the parent names (run only by the parent).
+#[test]
+#[ignore = "run as a child process by calibration_interrupted_by_sigint_leaves_no_scratch_file"]
+fn calibrating_child() {
+    let dir = std::env::var(CHILD_DIR).expect("run by the parent test");
+    let options = CalibrateOptions {
+        seconds: 5,
+        file_size: 64 << 20,
+        ..CalibrateOptions::default()
+    };
+    calibrate(&dir, &options).expect("calibration runs until interrupted");
+}
+
+/// Whether process `pid` has a file of `dir`'s scratch name open.
+fn has_scratch_open(pid: u32) -> bool {
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return false;
+    };
+    fds.flatten().any(|fd| {
+        std::fs::read_link(fd.path())
+            .map(|target| target.to_string_lossy().contains(SCRATCH_PREFIX))
+            .unwrap_or(false)
+    })
+}
+
+fn scratch_files(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(SCRATCH_PREFIX))
+        .collect()
+}
+
+#[test]
+fn calibration_interrupted_by_sigint_leaves_no_scratch_file() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["calibrating_child", "--exact", "--ignored", "--nocapture"])
+        .env(CHILD_DIR, dir.path())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    // Wait until the child holds its scratch file open (a liveness bound, not a timing check).
+    let mut waited = Duration::ZERO;
+    while !has_scratch_open(pid) {
+        if let Some(status) = child.try_wait().unwrap() {
+            let mut err = String::new();
+            std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
+            panic!("the child ended before calibrating: {status}\n{err}");
+        }
+        assert!(
+            waited < Duration::from_secs(120),
+            "calibration never started"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+        waited += Duration::from_millis(2);
+    }
+    // SAFETY: sends a signal to our own child, which has not been reaped yet.
+    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGINT) }, 0);
+    let status = child.wait().unwrap();
+    assert!(!status.success(), "the child was interrupted: {status}");
+    assert_eq!(scratch_files(dir.path()), Vec::<String>::new());
+}
