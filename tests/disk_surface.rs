@@ -12,7 +12,7 @@ mod common;
 use common::disk::{dispatcher, rt};
 use iothrottle::disk::{AlignedBuf, FileOptions, IoBuf, IoBufMut, ThrottledFile, ALIGN};
 use iothrottle::dispatcher::{ClassConfig, DiskModel, Dispatcher, DispatcherBuilder, IoKind};
-use iothrottle::error::{BuildError, DiskError};
+use iothrottle::{BuildError, DiskError};
 use iothrottle::Rate;
 
 fn scratch() -> tempfile::TempDir {
@@ -139,7 +139,7 @@ fn one_open_file_serves_requests_of_each_class() {
         matches!(
             res,
             Err(DiskError::Submit(
-                iothrottle::error::SubmitError::UnknownClass {
+                iothrottle::SubmitError::UnknownClass {
                     class: 2,
                     classes: 2
                 }

@@ -54,7 +54,7 @@ use iothrottle::disk::{AlignedBuf as DiskBuf, FileOptions, ThrottledFile};
 use iothrottle::dispatcher::{
     ClassConfig, ClassId, DiskModel, Dispatcher, DispatcherBuilder, DispatcherStats, IoRequest,
 };
-use iothrottle::error::DiskError;
+use iothrottle::DiskError;
 use iothrottle::{BucketConfig, Rate, Throttle, Uncapped};
 
 mod args;

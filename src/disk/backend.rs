@@ -94,7 +94,7 @@ pub(crate) struct RawIo {
 impl RawIo {
     pub(super) fn ptr(&self) -> *mut u8 {
         match &self.buf {
-            // SAFETY (pointer arithmetic only): `start + len <= buf.len()` (type invariant), so
+            // SAFETY: pointer arithmetic only; `start + len <= buf.len()` (type invariant), so
             // the result stays inside the allocation.
             Some(b) => unsafe { b.raw().add(self.start) },
             None => std::ptr::null_mut(),

@@ -251,7 +251,7 @@ impl DispatcherBuilder {
     ///         }
     ///     })
     ///     .build()?;
-    /// # Ok::<(), iothrottle::error::BuildError>(())
+    /// # Ok::<(), iothrottle::BuildError>(())
     /// ```
     pub fn on_shard_start<F>(mut self, hook: F) -> Self
     where
@@ -287,7 +287,7 @@ impl DispatcherBuilder {
     ///     .build()?;
     /// dispatcher.shutdown();
     /// assert_eq!(stopped.load(Ordering::SeqCst), 2);
-    /// # Ok::<(), iothrottle::error::BuildError>(())
+    /// # Ok::<(), iothrottle::BuildError>(())
     /// ```
     pub fn on_shard_stop<F>(mut self, hook: F) -> Self
     where

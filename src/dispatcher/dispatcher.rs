@@ -26,7 +26,7 @@ use super::timer;
 use super::DispatcherBuilder;
 
 /// A thread-per-core I/O dispatcher over one shared token bucket. See the
-/// [module documentation](self).
+/// [module documentation](crate::dispatcher).
 ///
 /// `Send + Sync`: submit from any thread (share it in an `Arc`). Dropping it shuts it down
 /// like [`shutdown_now`](Self::shutdown_now) (without waiting when dropped in async code).

@@ -43,9 +43,7 @@
 //! do differently from Seastar) follows.
 #![doc = include_str!("../../docs/dispatcher.md")]
 
-#[allow(unreachable_pub)] // `pub` for the loom build, which re-exports it (see `loom.rs`)
 pub(crate) mod alarm;
-#[allow(unreachable_pub)] // `pub` for the loom build, which re-exports it (see `loom.rs`)
 pub(crate) mod bound;
 mod budget;
 mod builder;
@@ -53,7 +51,6 @@ mod class;
 mod cost;
 #[allow(clippy::module_inception)] // the `Dispatcher` type's own file, beside its builder's
 mod dispatcher;
-#[allow(unreachable_pub)] // `pub` for the loom build, which re-exports it (see `loom.rs`)
 pub(crate) mod fair;
 mod handle;
 mod latency;

@@ -45,8 +45,8 @@ fn reaper_here() -> Option<Reaper> {
 /// A pipe whose one-page buffer is full of 1s: a write into it waits for a reader.
 fn full_pipe() -> (File, Arc<File>) {
     let mut fds = [0; 2];
-    // SAFETY: `fds` has room for the two descriptors.
     assert_eq!(
+        // SAFETY: `fds` has room for the two descriptors.
         unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_DIRECT | libc::O_CLOEXEC) },
         0
     );
