@@ -23,7 +23,7 @@ mod map;
 mod pace;
 
 use crate::bucket::BucketConfig;
-use crate::clock::{Clock, MonotonicClock};
+use crate::clock::{Clock, FastClock};
 use crate::error::ConfigError;
 use map::Map;
 use pace::{Pace, Shortfall};
@@ -120,7 +120,7 @@ fn nanos(d: Duration) -> u64 {
 /// limits.check(&"tenant-a", 1)?; // one more token accrued
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
-pub struct KeyedThrottle<K, C: Clock + Clone = MonotonicClock>
+pub struct KeyedThrottle<K, C: Clock + Clone = FastClock>
 where
     K: Eq + Hash,
 {
@@ -133,10 +133,11 @@ where
     idle: Duration,
 }
 
-impl<K: Eq + Hash + Clone> KeyedThrottle<K, MonotonicClock> {
-    /// Per-key buckets of `config`, at most `max_keys` keys, on a [`MonotonicClock`].
+impl<K: Eq + Hash + Clone> KeyedThrottle<K, FastClock> {
+    /// Per-key buckets of `config`, at most `max_keys` keys, on a [`FastClock`] (one reading
+    /// per check, a few nanoseconds).
     pub fn new(config: BucketConfig, max_keys: usize) -> Result<Self, KeyedConfigError> {
-        Self::with_clock(config, max_keys, MonotonicClock::new())
+        Self::with_clock(config, max_keys, FastClock::new())
     }
 }
 

@@ -48,14 +48,48 @@ pub(super) struct Pace {
     refill: u64,
     /// `tokens × period < 2^64`: `V` is computed in 64-bit arithmetic.
     narrow: bool,
+    /// Divides by `period` without a division instruction.
+    by_period: Divisor,
+}
+
+/// Division of any `u64` by a fixed divisor `d ≥ 1` with two multiplications: with
+/// `c = ceil(2^128 / d)`, `x / d = (c × x) >> 128` exactly for every `x < 2^64` (Lemire, Kaser
+/// and Kurz, "Faster Remainder by Direct Computation", 2019, Theorem 1 with F = 2N = 128).
+#[derive(Debug, Clone, Copy)]
+struct Divisor {
+    d: u64,
+    /// `ceil(2^128 / d)`, or 0 for `d = 1` (whose `c` is 2^128).
+    c: u128,
+}
+
+impl Divisor {
+    fn new(d: u64) -> Self {
+        let c = if d == 1 { 0 } else { u128::MAX / d as u128 + 1 };
+        Divisor { d, c }
+    }
+
+    /// `(x / d, x % d)`.
+    #[inline]
+    fn div_rem(&self, x: u64) -> (u64, u64) {
+        if self.c == 0 {
+            return (x, 0);
+        }
+        let (c_lo, c_hi) = (self.c as u64 as u128, self.c >> 64);
+        let x = x as u128;
+        // (c × x) >> 128, the 192-bit product taken in two halves.
+        let q = ((c_hi * x + ((c_lo * x) >> 64)) >> 64) as u64;
+        (q, x as u64 - q * self.d)
+    }
 }
 
 impl Pace {
     /// `rate` (validated: tokens and period positive, period within `u64` nanoseconds) and
     /// `limit` (at least 1).
     pub(super) fn new(rate: Rate, limit: u64) -> Self {
-        let tokens = rate.tokens();
         let period = u64::try_from(rate.period().as_nanos()).unwrap_or(u64::MAX);
+        // The rate in lowest terms: the same count, and more rates take the 64-bit path.
+        let g = gcd(rate.tokens(), period);
+        let (tokens, period) = (rate.tokens() / g, period / g);
         let refill = u64::try_from(rate.duration_for(limit).as_nanos()).unwrap_or(u64::MAX);
         Pace {
             tokens,
@@ -63,6 +97,7 @@ impl Pace {
             limit,
             refill,
             narrow: tokens.checked_mul(period).is_some(),
+            by_period: Divisor::new(period),
         }
     }
 
@@ -73,12 +108,9 @@ impl Pace {
         if self.narrow {
             // tokens × now = tokens × (q × period + r): the whole part is q × tokens plus
             // floor(r × tokens / period), and r × tokens < tokens × period < 2^64.
-            let (q, r) = (now / self.period, now % self.period);
-            let rt = r * self.tokens;
-            (
-                q.wrapping_mul(self.tokens).wrapping_add(rt / self.period),
-                rt % self.period,
-            )
+            let (q, r) = self.by_period.div_rem(now);
+            let (whole, frac) = self.by_period.div_rem(r * self.tokens);
+            (q.wrapping_mul(self.tokens).wrapping_add(whole), frac)
         } else {
             let x = self.tokens as u128 * now as u128;
             let p = self.period as u128;
@@ -140,14 +172,22 @@ impl Pace {
     }
 }
 
+fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a.max(1)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn the_narrow_count_agrees_with_the_wide_one() {
-        for (tokens, period) in [(7u64, 3_000_000_000u64), (1_000, 1_000_000_000), (3, 7)] {
+        for (tokens, period) in [(7u64, 3_000_000_000u64), (1, 1_000_000), (3, 7)] {
             let narrow = Pace::new(Rate::new(tokens, Duration::from_nanos(period)), 10);
+            assert_eq!((narrow.tokens, narrow.period), (tokens, period));
             assert!(narrow.narrow);
             let wide = Pace {
                 narrow: false,
@@ -157,6 +197,25 @@ mod tests {
                 assert_eq!(narrow.count(now), wide.count(now), "{tokens}/{period} at {now}");
             }
         }
+    }
+
+    #[test]
+    fn the_divisor_divides_exactly() {
+        let xs = [0, 1, 2, 3, 999_999_999, 1 << 32, (1 << 63) + 1, u64::MAX - 1, u64::MAX];
+        for d in [1, 2, 3, 7, 390_625, 1_000_000_000, (1 << 32) + 1, u64::MAX / 3, u64::MAX] {
+            let div = Divisor::new(d);
+            for x in xs.iter().copied().chain((0..1_000u64).map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15))) {
+                assert_eq!(div.div_rem(x), (x / d, x % d), "{x} / {d}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_rate_is_kept_in_lowest_terms() {
+        let p = Pace::new(Rate::per_second(10 << 20), 1);
+        assert_eq!((p.tokens, p.period), (4096, 390_625));
+        let max = Pace::new(Rate::per_second(Rate::MAX_PER_SECOND), 1);
+        assert_eq!(gcd(max.tokens, max.period), 1);
     }
 
     #[test]
