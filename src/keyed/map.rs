@@ -75,13 +75,14 @@ impl<K: Eq + Hash> Map<K> {
         self.hasher.hash_one(key)
     }
 
-    /// The shard of `hash`, locked. The shard index comes from bits 40 and up, which neither the
-    /// table's bucket index (low bits) nor its control tags (top 7 bits) use at these sizes.
+    /// The shard of `hash`, locked. The index is the top bits of the hash times a large odd
+    /// constant (Fibonacci hashing): every bit of the hash moves them, so the shards fill
+    /// evenly whichever bits the hasher varies most.
     pub(super) fn lock(&self, hash: u64) -> MutexGuard<'_, Shard<K>> {
         let i = if self.bits == 0 {
             0
         } else {
-            ((hash << 7) >> (64 - self.bits)) as usize
+            (hash.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - self.bits)) as usize
         };
         lock(&self.shards[i])
     }
