@@ -194,7 +194,10 @@ impl<K: Eq + Hash + Clone, C: Clock + Clone> KeyedThrottle<K, C> {
         let max = self.max_keys as u64;
         let fresh = self.pace.fresh(now);
         let idle_at = now.saturating_add(idle);
-        if let Some(state) = self.map.insert(&mut shard, hash, key.clone(), fresh, idle_at, max) {
+        if let Some(state) = self
+            .map
+            .insert(&mut shard, hash, key.clone(), fresh, idle_at, max)
+        {
             return self.pace.take(state, now, cost).map_err(insufficient);
         }
         self.new_key_at_the_cap(shard, hash, key, cost, now)
@@ -223,8 +226,15 @@ impl<K: Eq + Hash + Clone, C: Clock + Clone> KeyedThrottle<K, C> {
             // Inserted by another thread meanwhile.
             return self.pace.take(state, now, cost).map_err(insufficient);
         }
-        tracing::debug!(evicted, max_keys = self.max_keys, "keyed throttle at its cap");
-        match self.map.insert(&mut shard, hash, key.clone(), fresh, idle_at, max) {
+        tracing::debug!(
+            evicted,
+            max_keys = self.max_keys,
+            "keyed throttle at its cap"
+        );
+        match self
+            .map
+            .insert(&mut shard, hash, key.clone(), fresh, idle_at, max)
+        {
             Some(state) => self.pace.take(state, now, cost).map_err(insufficient),
             None => Err(KeyedError::TooManyKeys {
                 max_keys: self.max_keys,

@@ -193,18 +193,55 @@ mod tests {
                 narrow: false,
                 ..narrow
             };
-            for now in [0, 1, 6, 7, 999_999_999, 3_000_000_001, u64::MAX / 3, u64::MAX] {
-                assert_eq!(narrow.count(now), wide.count(now), "{tokens}/{period} at {now}");
+            for now in [
+                0,
+                1,
+                6,
+                7,
+                999_999_999,
+                3_000_000_001,
+                u64::MAX / 3,
+                u64::MAX,
+            ] {
+                assert_eq!(
+                    narrow.count(now),
+                    wide.count(now),
+                    "{tokens}/{period} at {now}"
+                );
             }
         }
     }
 
     #[test]
     fn the_divisor_divides_exactly() {
-        let xs = [0, 1, 2, 3, 999_999_999, 1 << 32, (1 << 63) + 1, u64::MAX - 1, u64::MAX];
-        for d in [1, 2, 3, 7, 390_625, 1_000_000_000, (1 << 32) + 1, u64::MAX / 3, u64::MAX] {
+        let xs = [
+            0,
+            1,
+            2,
+            3,
+            999_999_999,
+            1 << 32,
+            (1 << 63) + 1,
+            u64::MAX - 1,
+            u64::MAX,
+        ];
+        for d in [
+            1,
+            2,
+            3,
+            7,
+            390_625,
+            1_000_000_000,
+            (1 << 32) + 1,
+            u64::MAX / 3,
+            u64::MAX,
+        ] {
             let div = Divisor::new(d);
-            for x in xs.iter().copied().chain((0..1_000u64).map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15))) {
+            for x in xs
+                .iter()
+                .copied()
+                .chain((0..1_000u64).map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15)))
+            {
                 assert_eq!(div.div_rem(x), (x / d, x % d), "{x} / {d}");
             }
         }
