@@ -13,8 +13,8 @@
 //!
 //! After every update, `0 ≤ V(last) − empty ≤ limit` (wrapping difference): the tokens the key
 //! held when it was last checked. A key unused for at least the refill time is full whatever its
-//! `empty`, so the wrapping difference is only ever taken over less than `limit` plus one refill
-//! of tokens, far below 2^63.
+//! `empty`, so the wrapping difference is only ever taken over at most `limit` plus one refill
+//! of tokens, below 2^64 for any valid limit (≤ 2^62).
 
 use std::time::Duration;
 
@@ -134,9 +134,9 @@ impl Pace {
         if now - state.last >= self.refill {
             return self.limit;
         }
-        // Below 2^63 by the module invariant; a negative value cannot occur but would mean empty.
-        let held = v.wrapping_sub(state.empty) as i64;
-        (held.max(0) as u64).min(self.limit)
+        // `now ≥ last`, so V(now) − empty ≥ V(last) − empty ≥ 0, and it is below
+        // limit + one refill of tokens ≤ 2 × 2^62 + 1 < 2^64: the unsigned difference is exact.
+        v.wrapping_sub(state.empty).min(self.limit)
     }
 
     /// Tokens the key holds at `now`, without counting a use.
@@ -210,6 +210,20 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn the_largest_bucket_taken_from_refills_to_its_limit_within_the_refill_time() {
+        // The widest difference the state ever takes: a full bucket of 2^62 less one token,
+        // plus all but a nanosecond of a refill's tokens.
+        let limit = crate::BucketConfig::MAX_LIMIT;
+        let pace = Pace::new(Rate::per_second(Rate::MAX_PER_SECOND), limit);
+        let mut s = pace.fresh(1_000);
+        pace.take(&mut s, 1_000, 1).unwrap();
+        let now = 1_000 + pace.refill - 1;
+        assert_eq!(pace.available(&s, now), limit);
+        pace.take(&mut s, now, limit).unwrap();
+        assert_eq!(pace.available(&s, now), 0);
     }
 
     #[test]
