@@ -45,9 +45,9 @@ pub(super) struct Map<K> {
 }
 
 impl<K: Eq + Hash> Map<K> {
-    /// A map sized for `max_keys`: 16 shards per hardware thread at least (two threads rarely
-    /// meet on one lock), and
-    /// about 512 keys per shard at the cap (at most 1024 shards), so a sweep stays short.
+    /// A map sized for `max_keys`: at least 16 shards per hardware thread (two threads rarely
+    /// meet on one lock), and about 512 keys per shard at the cap (at most 1024 shards), so a
+    /// sweep stays short.
     pub(super) fn new(max_keys: usize) -> Self {
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         let shards = (max_keys / 512)
