@@ -82,7 +82,7 @@ fn main() {
     let per = |b: isize| b as f64 / n as f64;
     println!("keys: {n}");
     println!(
-        "iothrottle KeyedThrottle<u64>: {:>8.1} bytes/key (state {} B + map slot)",
+        "iothrottle KeyedThrottle<u64>: {:>8.1} bytes/key (slot {} B: key and state)",
         per(ours_bytes),
         KeyedThrottle::<u64>::state_bytes_per_key()
     );

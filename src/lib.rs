@@ -75,7 +75,7 @@
 //! ## Modules
 //!
 //! - [`bucket`]: the lock-free core, [`SharedTokenBucket`].
-//! - [`clock`]: where time comes from ([`MonotonicClock`], [`ManualClock`] for tests).
+//! - [`clock`]: where time comes from ([`MonotonicClock`], [`FastClock`], [`ManualClock`] for tests).
 //! - [`throttle`]: [`Throttle`], the async front of the bucket for any tokio runtime.
 //! - [`adapter`]: throttled `AsyncRead`/`AsyncWrite`/`AsyncSeek` and `std::io` wrappers,
 //!   RocksDB-style `request`.
@@ -166,7 +166,7 @@ pub use bucket::{BucketConfig, BucketState, Capped, Mode, Rate, SharedTokenBucke
 #[cfg(feature = "rt")]
 #[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
 pub use clock::TokioClock;
-pub use clock::{Clock, ManualClock, MonotonicClock};
+pub use clock::{Clock, FastClock, ManualClock, MonotonicClock};
 #[cfg(all(feature = "rt", not(iothrottle_loom)))]
 #[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
 pub use dispatcher::{ClassConfig, ClassId, DiskModel, Dispatcher, IoRequest};

@@ -233,3 +233,145 @@ async fn until_ready_waits_for_the_key_on_tokio_time() {
         Err(KeyedError::CostExceedsLimit { .. })
     ));
 }
+
+/// The keyed throttle against a sequential model in unbounded integers: each key a bucket whose
+/// level at `t` is `min(limit, level₀ + C(t) − C(t₀))` with `C(t) = floor(rate × t)`, the cap
+/// evicting every key unused for the idle time when a new key needs room, `evict_idle` the same.
+mod model {
+    use std::collections::HashMap;
+    use std::time::Duration;
+
+    use proptest::prelude::*;
+
+    use iothrottle::keyed::{KeyedError, KeyedThrottle};
+    use iothrottle::{BucketConfig, ManualClock, Rate};
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Advance(u64),
+        Check(u8, u64),
+        EvictIdle,
+    }
+
+    struct Model {
+        tokens: u128,
+        period: u128,
+        limit: u128,
+        idle: u128,
+        max_keys: usize,
+        /// key → (level at `at`, `at`).
+        keys: HashMap<u8, (u128, u128)>,
+    }
+
+    impl Model {
+        fn count(&self, t: u128) -> u128 {
+            self.tokens * t / self.period
+        }
+
+        fn level(&self, key: u8, now: u128) -> u128 {
+            let (level, at) = self.keys[&key];
+            (level + self.count(now) - self.count(at)).min(self.limit)
+        }
+
+        fn evict_idle(&mut self, now: u128) -> usize {
+            let idle = self.idle;
+            let before = self.keys.len();
+            self.keys.retain(|_, (_, at)| now - *at < idle);
+            before - self.keys.len()
+        }
+
+        fn check(&mut self, key: u8, cost: u64, now: u128) -> Result<(), KeyedError> {
+            if !self.keys.contains_key(&key) {
+                if self.keys.len() == self.max_keys {
+                    self.evict_idle(now);
+                }
+                if self.keys.len() == self.max_keys {
+                    return Err(KeyedError::TooManyKeys {
+                        max_keys: self.max_keys,
+                    });
+                }
+                self.keys.insert(key, (self.limit, now));
+            }
+            let level = self.level(key, now);
+            let cost = cost as u128;
+            if level >= cost {
+                self.keys.insert(key, (level - cost, now));
+                return Ok(());
+            }
+            self.keys.insert(key, (level, now));
+            let missing = cost - level;
+            // The first t with C(t) ≥ C(now) + missing.
+            let target = self.count(now) + missing;
+            let at = (target * self.period).div_ceil(self.tokens);
+            Err(KeyedError::Insufficient {
+                missing: missing as u64,
+                retry_after: Duration::from_nanos((at - now) as u64),
+            })
+        }
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            4 => (0u64..3_000_000).prop_map(Op::Advance),
+            8 => (0u8..5, 1u64..=20).prop_map(|(k, c)| Op::Check(k, c)),
+            1 => Just(Op::EvictIdle),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn the_keyed_throttle_matches_the_model_and_never_grants_more_than_the_rate(
+            tokens in 1u64..=1_000,
+            period_us in 1u64..=2_000,
+            limit in 1u64..=20,
+            max_keys in 1usize..=3,
+            ops in proptest::collection::vec(op(), 1..300),
+        ) {
+            let rate = Rate::new(tokens, Duration::from_micros(period_us));
+            let clock = ManualClock::new();
+            let k = KeyedThrottle::<u8, _>::with_clock(BucketConfig::new(rate, limit), max_keys, clock.clone()).unwrap();
+            let mut m = Model {
+                tokens: tokens as u128,
+                period: period_us as u128 * 1_000,
+                limit: limit as u128,
+                idle: k.idle_time().as_nanos(),
+                max_keys,
+                keys: HashMap::new(),
+            };
+            let mut now = 0u128;
+            // Per key: (time, tokens granted) of every grant.
+            let mut grants: HashMap<u8, Vec<(u128, u128)>> = HashMap::new();
+            for op in ops {
+                match op {
+                    Op::Advance(ns) => {
+                        clock.advance(Duration::from_nanos(ns));
+                        now += ns as u128;
+                    }
+                    Op::EvictIdle => prop_assert_eq!(k.evict_idle(), m.evict_idle(now)),
+                    Op::Check(key, cost) => {
+                        let cost = cost.min(limit);
+                        let got = k.check(&key, cost);
+                        prop_assert_eq!(got, m.check(key, cost, now), "key {} cost {} at {}", key, cost, now);
+                        if got.is_ok() {
+                            grants.entry(key).or_default().push((now, cost as u128));
+                        }
+                    }
+                }
+                prop_assert_eq!(k.len(), m.keys.len());
+                prop_assert!(k.len() <= max_keys);
+            }
+            // Over every window [a, b] of the schedule, evictions and re-admissions included, a
+            // key was granted at most limit + C(b) − C(a): no free burst, the exact long-run rate.
+            for list in grants.values() {
+                for i in 0..list.len() {
+                    let mut sum = 0;
+                    for &(b, n) in &list[i..] {
+                        sum += n;
+                        let a = list[i].0;
+                        prop_assert!(sum <= m.limit + m.count(b) - m.count(a), "{} granted in [{}, {}]", sum, a, b);
+                    }
+                }
+            }
+        }
+    }
+}

@@ -419,9 +419,30 @@ impl RawRate {
     /// Tokens earned between `a` and `b` nanoseconds after an epoch (`a ≤ b`):
     /// `floor(tokens × b / period) − floor(tokens × a / period)`. Consecutive intervals
     /// telescope, so their sum is the count over the union, exactly.
+    ///
+    /// One remainder and one quotient instead of two quotients: with `tokens × a = Q × period + R`,
+    /// the count is `floor((tokens × (b − a) + R) / period)`; in 64-bit arithmetic (no `u128`
+    /// division call) when `tokens × b` fits. [`count_exact`](Self::count_exact) is the
+    /// definition it must equal (a proptest checks it).
     #[inline]
     pub(crate) fn count(self, a: u64, b: u64) -> u128 {
-        // tokens < 2^64 and a, b < 2^64: the products fit u128.
+        debug_assert!(a <= b);
+        let (t, p) = (self.tokens, self.period_ns);
+        if t.checked_mul(b).is_some() {
+            // t × a ≤ t × b fits too, and R + t × (b − a) ≤ t × b.
+            let r = t * a % p;
+            return ((t * (b - a) + r) / p) as u128;
+        }
+        // tokens < 2^64 and a, b < 2^64: the products fit u128, and R + tokens × (b − a) ≤
+        // tokens × b does too.
+        let (t, p) = (t as u128, p as u128);
+        let r = t * a as u128 % p;
+        (t * (b - a) as u128 + r) / p
+    }
+
+    /// `floor(tokens × b / period) − floor(tokens × a / period)` as written.
+    #[cfg(test)]
+    pub(crate) fn count_exact(self, a: u64, b: u64) -> u128 {
         let p = self.period_ns as u128;
         let t = self.tokens as u128;
         t * b as u128 / p - t * a as u128 / p
@@ -589,6 +610,27 @@ mod tests {
     }
 
     proptest::proptest! {
+        /// `count` (one remainder and one quotient, 64-bit when `tokens × b` fits) equals the
+        /// two-quotient definition, on both paths and across their boundary.
+        #[test]
+        fn the_fast_count_agrees_with_the_exact_one(
+            tokens in proptest::prop_oneof![1u64..=1_000, 1u64..=u32::MAX as u64, 1u64..],
+            period_ns in proptest::prop_oneof![1u64..=1_000, 1u64..=1_000_000_000_000, 1u64..],
+            a in proptest::prop_oneof![0u64..=1_000_000, 0u64..(1 << 40), 0u64..(1 << 63)],
+            len in proptest::prop_oneof![0u64..=1_000, 0u64..(1 << 40), 0u64..(1 << 62)],
+        ) {
+            let r = RawRate { tokens, period_ns };
+            let b = a.saturating_add(len).min((1 << 63) - 2);
+            let a = a.min(b);
+            proptest::prop_assert_eq!(r.count(a, b), r.count_exact(a, b));
+            // At the boundary of the 64-bit path: the largest b with tokens × b < 2^64.
+            let edge = (u64::MAX / tokens).min((1 << 63) - 2);
+            for b in [edge.saturating_sub(1), edge, edge.saturating_add(1).min((1 << 63) - 2)] {
+                let a = a.min(b);
+                proptest::prop_assert_eq!(r.count(a, b), r.count_exact(a, b));
+            }
+        }
+
         /// The slow path of `mul_div` against the 256-bit product: q × d ≤ a × b < (q + 1) × d.
         #[test]
         fn mul_div_is_exact(a in proptest::prelude::any::<u128>(), b in proptest::prelude::any::<u128>(), d in 1u128..) {

@@ -1,31 +1,34 @@
-//! Per-key limits in memory: [`KeyedThrottle`], one [`SharedTokenBucket`] per key (per tenant,
-//! per table, per client), with bounded memory.
+//! Per-key limits in memory: [`KeyedThrottle`], a token bucket per key (per tenant, per table,
+//! per client) in two words, with bounded memory.
 //!
 //! The long-form description (when a key may be evicted and why that grants no free burst, the
 //! cap, the costs) is `docs/keyed.md`, included below.
 //!
 //! # Orderings
 //!
-//! - The per-key buckets keep their own orderings (see [`crate::bucket`]).
-//! - `last_used` (per key): **Relaxed**. It is written while the map's shard is read-locked and
-//!   read by eviction while the same shard is write-locked: the lock orders the two, the atomic
-//!   only lets several checkers of one key write it at once.
-//! - `keys` (the count): **Relaxed** read-modify-writes. It is a counter of reservations, checked
-//!   and bumped in one `fetch_update`, so the cap holds whatever the interleaving; it publishes
-//!   no other data.
-#![doc = include_str!("../docs/keyed.md")]
+//! - A key's state is plain data behind its shard's mutex: the lock orders every check, eviction
+//!   and removal of a key.
+//! - `keys` (the count): **Relaxed** read-modify-writes. It is checked and bumped in one
+//!   `fetch_update` under the shard's lock just before an insertion (and lowered just after a
+//!   removal), so it never exceeds the cap whatever the interleaving; it publishes no other data.
+//! - `next_any` (the map's eviction bound): **Relaxed**. A hint that lets a new key at the cap
+//!   skip a sweep that could evict nothing; the shards' own bounds sit under their locks.
+#![doc = include_str!("../../docs/keyed.md")]
 
 use std::fmt;
 use std::hash::Hash;
 use std::time::Duration;
 
-use dashmap::mapref::entry::Entry;
-use dashmap::DashMap;
+mod map;
+mod pace;
 
-use crate::bucket::{BucketConfig, SharedTokenBucket, Uncapped};
-use crate::clock::{Clock, MonotonicClock};
+use crate::bucket::BucketConfig;
+use crate::clock::{Clock, FastClock};
 use crate::error::ConfigError;
-use crate::sync::{AtomicU64, Ordering};
+use map::Map;
+use pace::{Pace, Shortfall};
+
+use crate::sync::MutexGuard;
 
 /// Why a [`KeyedThrottle`] cannot be built.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -78,49 +81,13 @@ impl KeyedError {
     }
 }
 
-/// One key's state.
-struct KeyState<C: Clock> {
-    bucket: SharedTokenBucket<Uncapped, C>,
-    /// When the key was last checked, in nanoseconds on the throttle's clock.
-    last_used: AtomicU64,
-}
-
-impl<C: Clock> KeyState<C> {
-    /// Takes `cost` (in `1..=limit`) tokens if they are there; never waits.
-    fn take(&self, cost: u64, now: Duration) -> Result<(), KeyedError> {
-        // Relaxed: see the module doc (the shard lock orders it against eviction).
-        self.last_used.store(nanos(now), Ordering::Relaxed);
-        let b = &self.bucket;
-        b.replenish_at(now);
-        if b.available() >= cost {
-            let tail = b.grab(cost);
-            if b.deficiency(tail) == 0 {
-                return Ok(());
-            }
-            // Another checker took the tokens between our look and our grab. Checkers never
-            // wait, so nobody queues behind us: giving ours back at once is exact.
-            b.refund(cost);
-        }
-        let missing = cost.saturating_sub(b.available()).max(1);
-        let need = missing.max(b.threshold());
-        let last = b.last_replenish().unwrap_or(now);
-        let retry_after = last
-            .checked_add(b.duration_for(need))
-            .unwrap_or(Duration::MAX)
-            .saturating_sub(now);
-        Err(KeyedError::Insufficient {
-            missing,
-            retry_after,
-        })
-    }
-}
-
 fn nanos(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
-/// A rate limit per key: each key gets its own lock-free [`SharedTokenBucket`] with the same
-/// configuration, created on first use (full, as a fresh bucket is) and evicted once idle.
+/// A rate limit per key: each key gets its own token bucket of the same configuration (two words:
+/// when it was last checked and where on the rate's exact count its bucket runs empty), created
+/// on first use (full, as a fresh bucket is) and evicted once idle.
 ///
 /// # Invariants
 ///
@@ -153,30 +120,32 @@ fn nanos(d: Duration) -> u64 {
 /// limits.check(&"tenant-a", 1)?; // one more token accrued
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
-pub struct KeyedThrottle<K, C: Clock + Clone = MonotonicClock>
+pub struct KeyedThrottle<K, C: Clock + Clone = FastClock>
 where
     K: Eq + Hash,
 {
-    map: DashMap<K, Box<KeyState<C>>>,
+    map: Map<K>,
+    pace: Pace,
     config: BucketConfig,
     clock: C,
     max_keys: usize,
     /// Unused for this long, a key may be evicted; never shorter than a full refill.
     idle: Duration,
-    /// Keys tracked or reserved for insertion; at most `max_keys`.
-    keys: AtomicU64,
 }
 
-impl<K: Eq + Hash + Clone> KeyedThrottle<K, MonotonicClock> {
-    /// Per-key buckets of `config`, at most `max_keys` keys, on a [`MonotonicClock`].
+impl<K: Eq + Hash + Clone> KeyedThrottle<K, FastClock> {
+    /// Per-key buckets of `config`, at most `max_keys` keys, on a [`FastClock`] (one reading
+    /// per check, a few nanoseconds).
     pub fn new(config: BucketConfig, max_keys: usize) -> Result<Self, KeyedConfigError> {
-        Self::with_clock(config, max_keys, MonotonicClock::new())
+        Self::with_clock(config, max_keys, FastClock::new())
     }
 }
 
 impl<K: Eq + Hash + Clone, C: Clock + Clone> KeyedThrottle<K, C> {
-    /// Per-key buckets of `config`, at most `max_keys` keys, reading time from `clock` (every
-    /// key's bucket gets a clone).
+    /// Per-key buckets of `config`, at most `max_keys` keys, reading time from `clock`.
+    ///
+    /// A key's tokens accrue continuously at the exact rate; the configuration's replenish
+    /// threshold (which saves a shared bucket's CAS) has no use here and is ignored.
     pub fn with_clock(
         config: BucketConfig,
         max_keys: usize,
@@ -188,12 +157,12 @@ impl<K: Eq + Hash + Clone, C: Clock + Clone> KeyedThrottle<K, C> {
         }
         let refill = config.rate().duration_for(config.limit());
         Ok(KeyedThrottle {
-            map: DashMap::new(),
+            map: Map::new(max_keys),
+            pace: Pace::new(config.rate(), config.limit()),
             config,
             clock,
             max_keys,
             idle: refill,
-            keys: AtomicU64::new(0),
         })
     }
 
@@ -215,105 +184,86 @@ impl<K: Eq + Hash + Clone, C: Clock + Clone> KeyedThrottle<K, C> {
         if cost == 0 {
             return Ok(());
         }
-        let now = self.clock.now();
-        // The shard stays read-locked while we take: eviction (write lock) cannot remove the
-        // state under us.
-        if let Some(state) = self.map.get(key) {
-            return state.take(cost, now);
+        let now = nanos(self.clock.now());
+        let hash = self.map.hash(key);
+        let mut shard = self.map.lock(hash);
+        if let Some((_, state)) = shard.table.find_mut(hash, |(k, _)| k == key) {
+            return self.pace.take(state, now, cost).map_err(insufficient);
         }
-        self.insert_and_take(key, cost, now)
-    }
-
-    #[cold]
-    fn insert_and_take(&self, key: &K, cost: u64, now: Duration) -> Result<(), KeyedError> {
-        if !self.reserve() {
-            let evicted = self.evict_idle_at(now);
-            tracing::debug!(
-                evicted,
-                max_keys = self.max_keys,
-                "keyed throttle at its cap"
-            );
-            if !self.reserve() {
-                return Err(KeyedError::TooManyKeys {
-                    max_keys: self.max_keys,
-                });
-            }
-        }
-        match self.map.entry(key.clone()) {
-            Entry::Occupied(state) => {
-                // Inserted by another thread meanwhile: our reservation is not needed.
-                self.unreserve(1);
-                state.get().take(cost, now)
-            }
-            Entry::Vacant(slot) => {
-                let bucket = SharedTokenBucket::with_clock(self.config, self.clock.clone())
-                    .expect("validated in the constructor");
-                let state = slot.insert(Box::new(KeyState {
-                    bucket,
-                    last_used: AtomicU64::new(nanos(now)),
-                }));
-                state.take(cost, now)
-            }
-        }
-    }
-
-    fn reserve(&self) -> bool {
+        let idle = nanos(self.idle);
         let max = self.max_keys as u64;
-        // Relaxed: see the module doc.
-        self.keys
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
-                (n < max).then_some(n + 1)
-            })
-            .is_ok()
+        let fresh = self.pace.fresh(now);
+        let idle_at = now.saturating_add(idle);
+        if let Some(state) = self
+            .map
+            .insert(&mut shard, hash, key.clone(), fresh, idle_at, max)
+        {
+            return self.pace.take(state, now, cost).map_err(insufficient);
+        }
+        self.new_key_at_the_cap(shard, hash, key, cost, now)
     }
 
-    fn unreserve(&self, n: u64) {
-        // Relaxed: see the module doc.
-        self.keys.fetch_sub(n, Ordering::Relaxed);
+    /// A new key while `max_keys` are tracked: evicts every idle key of every shard whose
+    /// eviction bound has come; refused at once when the map's bound says no key can be idle.
+    #[cold]
+    fn new_key_at_the_cap<'a>(
+        &'a self,
+        shard: MutexGuard<'a, map::Shard<K>>,
+        hash: u64,
+        key: &K,
+        cost: u64,
+        now: u64,
+    ) -> Result<(), KeyedError> {
+        let idle = nanos(self.idle);
+        let max = self.max_keys as u64;
+        let fresh = self.pace.fresh(now);
+        let idle_at = now.saturating_add(idle);
+        // Shards are locked one at a time: never while holding ours.
+        drop(shard);
+        let evicted = self.map.sweep_all(now, idle, false);
+        let mut shard = self.map.lock(hash);
+        if let Some((_, state)) = shard.table.find_mut(hash, |(k, _)| k == key) {
+            // Inserted by another thread meanwhile.
+            return self.pace.take(state, now, cost).map_err(insufficient);
+        }
+        tracing::debug!(
+            evicted,
+            max_keys = self.max_keys,
+            "keyed throttle at its cap"
+        );
+        match self
+            .map
+            .insert(&mut shard, hash, key.clone(), fresh, idle_at, max)
+        {
+            Some(state) => self.pace.take(state, now, cost).map_err(insufficient),
+            None => Err(KeyedError::TooManyKeys {
+                max_keys: self.max_keys,
+            }),
+        }
     }
 
     /// Evicts every key unused for the idle time; returns how many. Call it periodically to keep
-    /// memory low before the cap is reached (a new key at the cap calls it anyway).
+    /// memory low before the cap is reached (a new key at the cap evicts as needed anyway).
     pub fn evict_idle(&self) -> usize {
-        self.evict_idle_at(self.clock.now())
-    }
-
-    fn evict_idle_at(&self, now: Duration) -> usize {
-        let now = nanos(now);
-        let idle = nanos(self.idle);
-        let mut evicted = 0u64;
-        self.map.retain(|_, state| {
-            // Relaxed: the shard's write lock orders this read after every take on the key.
-            let last = state.last_used.load(Ordering::Relaxed);
-            let keep = now.saturating_sub(last) < idle;
-            if !keep {
-                evicted += 1;
-            }
-            keep
-        });
-        if evicted > 0 {
-            self.unreserve(evicted);
-        }
-        evicted as usize
+        let now = nanos(self.clock.now());
+        self.map.sweep_all(now, nanos(self.idle), true) as usize
     }
 
     /// Forgets `key` at once (its next check gets a full bucket). Returns whether it was tracked.
     pub fn remove(&self, key: &K) -> bool {
-        let removed = self.map.remove(key).is_some();
-        if removed {
-            self.unreserve(1);
-        }
-        removed
+        let hash = self.map.hash(key);
+        let mut shard = self.map.lock(hash);
+        self.map.remove(&mut shard, hash, key)
     }
 
-    /// Keys tracked now.
+    /// Keys tracked now; never more than [`max_keys`](Self::max_keys).
     pub fn len(&self) -> usize {
-        self.map.len()
+        self.map.len() as usize
     }
 
     /// No key tracked.
     pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
+        self.len() == 0
     }
 
     /// The cap on keys.
@@ -332,17 +282,27 @@ impl<K: Eq + Hash + Clone, C: Clock + Clone> KeyedThrottle<K, C> {
     }
 
     /// Tokens in `key`'s bucket now (`None` if the key is not tracked: it would get a full
-    /// bucket).
+    /// bucket). Does not count as a use.
     pub fn available(&self, key: &K) -> Option<u64> {
-        let state = self.map.get(key)?;
-        state.bucket.replenish_at(self.clock.now());
-        Some(state.bucket.available())
+        let now = nanos(self.clock.now());
+        let hash = self.map.hash(key);
+        let shard = self.map.lock(hash);
+        let (_, state) = shard.table.find(hash, |(k, _)| k == key)?;
+        Some(self.pace.available(state, now))
     }
 
-    /// The heap bytes one tracked key costs, not counting the map's own slot (the key and a
-    /// pointer) and the allocator's rounding: the per-key bucket with its cache-line padding.
+    /// The bytes of one slot of the map: the key and its 16-byte state. A tracked key costs
+    /// this plus one control byte, and the table's spare capacity (a `hashbrown` table is
+    /// between 7/16 and 7/8 full).
     pub fn state_bytes_per_key() -> usize {
-        std::mem::size_of::<KeyState<C>>()
+        Map::<K>::slot_bytes()
+    }
+}
+
+fn insufficient(s: Shortfall) -> KeyedError {
+    KeyedError::Insufficient {
+        missing: s.missing,
+        retry_after: s.retry_after,
     }
 }
 
@@ -373,5 +333,54 @@ impl<K: Eq + Hash, C: Clock + Clone> fmt::Debug for KeyedThrottle<K, C> {
             .field("max_keys", &self.max_keys)
             .field("idle", &self.idle)
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::ManualClock;
+    use crate::sync::Ordering;
+    use crate::Rate;
+
+    fn scans<K: Eq + Hash>(k: &KeyedThrottle<K, ManualClock>) -> u64 {
+        k.map.scans.load(Ordering::Relaxed)
+    }
+
+    #[test]
+    fn a_new_key_at_the_cap_scans_no_shard_until_a_key_may_be_idle() {
+        let clock = ManualClock::new();
+        let cfg = BucketConfig::new(Rate::per_second(1_000), 100);
+        let k = KeyedThrottle::with_clock(cfg, 10_000, clock.clone()).unwrap();
+        for key in 0..10_000u64 {
+            k.check(&key, 1).unwrap();
+        }
+        // Every key busy: 10,000 new keys are refused without looking at a single shard.
+        for key in 10_000..20_000u64 {
+            assert_eq!(
+                k.check(&key, 1),
+                Err(KeyedError::TooManyKeys { max_keys: 10_000 })
+            );
+        }
+        assert_eq!(scans(&k), 0);
+        assert_eq!(k.len(), 10_000);
+        // Half the keys used again 50 ms later; at 100 ms the other half is idle: one pass over
+        // the shards evicts all 5,000 of them, and the next 5,000 new keys scan nothing.
+        clock.advance(Duration::from_millis(50));
+        for key in 0..5_000u64 {
+            k.check(&key, 1).unwrap();
+        }
+        clock.advance(Duration::from_millis(50));
+        for key in 20_000..25_000u64 {
+            k.check(&key, 1).unwrap();
+        }
+        let shards = k.map.shard_count() as u64;
+        assert_eq!(scans(&k), shards, "one pass over the shards");
+        assert_eq!(k.len(), 10_000);
+        assert_eq!(
+            k.check(&25_000, 1),
+            Err(KeyedError::TooManyKeys { max_keys: 10_000 })
+        );
+        assert_eq!(scans(&k), shards, "refused in O(1) again");
     }
 }
