@@ -165,7 +165,9 @@ async fn postgres_restart_while_leases_are_out() {
     assert!(
         matches!(
             dry,
-            Err(PgLimitError::Connection { .. } | PgLimitError::Unavailable { .. })
+            Err(PgLimitError::Connection { .. }
+                | PgLimitError::Connect { .. }
+                | PgLimitError::Unavailable { .. })
         ),
         "{dry:?}"
     );
@@ -731,6 +733,7 @@ fn hammer(
                             Ok(false) => {}
                             Err(
                                 PgLimitError::Connection { .. }
+                                | PgLimitError::Connect { .. }
                                 | PgLimitError::Unavailable { .. }
                                 | PgLimitError::Db { .. },
                             ) => {

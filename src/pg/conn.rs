@@ -248,6 +248,29 @@ impl Live {
     }
 }
 
+/// A failure to open a session that carries no SQLSTATE: [`PgLimitError::Tls`] when the
+/// TLS handshake failed, else [`PgLimitError::Connect`]. The driver's error kinds are
+/// private; its `Display` names the kind (`error performing TLS handshake: …`), without the
+/// cause's text.
+fn connect_failure(source: tokio_postgres::Error) -> PgLimitError {
+    if source.to_string().starts_with("error performing TLS handshake") {
+        PgLimitError::Tls { source }
+    } else {
+        PgLimitError::Connect { source }
+    }
+}
+
+/// A server error that says the limiter's tables, functions or schema are missing:
+/// `42P01` undefined table, `42883` undefined function, `3F000` invalid schema name.
+fn means_not_installed(e: &tokio_postgres::Error) -> bool {
+    use tokio_postgres::error::SqlState;
+    e.code().is_some_and(|c| {
+        *c == SqlState::UNDEFINED_TABLE
+            || *c == SqlState::UNDEFINED_FUNCTION
+            || *c == SqlState::INVALID_SCHEMA_NAME
+    })
+}
+
 /// A connection that is opened lazily and again after it was lost.
 #[derive(Debug)]
 pub(crate) struct Conn {
@@ -281,10 +304,9 @@ impl Conn {
     /// Parses `config`; connects on first use.
     pub(crate) fn lazy(config: &str, options: PgOptions) -> Result<Conn, PgLimitError> {
         options.validate()?;
-        let mut parsed: Config = config.parse().map_err(|e| PgLimitError::Connection {
-            source: e,
-            closed_by: None,
-        })?;
+        let mut parsed: Config = config
+            .parse()
+            .map_err(|source| PgLimitError::InvalidConnectionString { source })?;
         options.tls.apply(&mut parsed);
         Ok(Conn::new(Source::Config(Box::new(parsed)), options))
     }
@@ -357,13 +379,10 @@ impl Conn {
         };
         self.record_down(crate::error::pg_error_text(&e));
         // Without a SQLSTATE the server was not reached or refused at the transport level
-        // (socket, TLS handshake, a server without TLS under `require`): a connection error,
-        // whatever the driver's inner error type.
+        // (socket, TLS handshake, a server without TLS under `require`): no statement was
+        // sent, so this is a failure to connect, never a lost connection.
         if e.code().is_none() {
-            return Err(RunError::Typed(PgLimitError::Connection {
-                source: e,
-                closed_by: None,
-            }));
+            return Err(RunError::Typed(connect_failure(e)));
         }
         Err(e.into())
     }
@@ -471,6 +490,11 @@ impl Conn {
                 if classify(&e) == Class::Connection {
                     self.drop_live();
                 }
+                if means_not_installed(&e) {
+                    return Err(PgLimitError::NotInstalled {
+                        schema: self.options.schema.clone(),
+                    });
+                }
                 Err(typed(e))
             }
             Err(RunError::Typed(e)) => {
@@ -481,6 +505,22 @@ impl Conn {
             }
         }
     }
+}
+
+/// Refuses a caller's pool that cannot give the limiter the sessions it keeps checked out:
+/// keys routed to a session the pool never opens would time out on every call.
+#[cfg(feature = "postgres-pool")]
+pub(crate) fn check_pool_size(
+    pool: &deadpool_postgres::Pool,
+    options: &PgOptions,
+) -> Result<(), PgLimitError> {
+    if pool.status().max_size < options.connections {
+        return Err(PgLimitError::InvalidOption {
+            name: "connections",
+            reason: "the pool's max_size is smaller than PgOptions::with_connections",
+        });
+    }
+    Ok(())
 }
 
 /// Several connections with key affinity while a key is busy: all calls of a key that are
@@ -559,6 +599,7 @@ impl Pool {
         options: PgOptions,
     ) -> Result<Pool, PgLimitError> {
         let first = Conn::pooled(pool.clone(), options.clone())?;
+        check_pool_size(&pool, &options)?;
         first.live().await?;
         let mut conns = vec![first];
         for _ in 1..options.connections {

@@ -18,7 +18,7 @@ use std::time::SystemTime;
 use super::conn::Pool;
 use super::retry::PgStats;
 use super::schema::{self, Schema};
-use super::{check_classic, check_count, check_key, PgOptions, MICRO};
+use super::{check_classic, check_count, check_key, check_opt_time, PgOptions, MICRO};
 use crate::error::PgLimitError;
 
 /// The upsert, with its inputs as SQL expressions: `id` key, `rate` tokens per second,
@@ -279,6 +279,7 @@ impl PgKeyedLimiter {
     ) -> Result<i64, PgLimitError> {
         check_key(id)?;
         let cap = check_classic(refill_per_sec.into(), window_seconds.into())?;
+        check_opt_time(at)?;
         let rate = i64::from(refill_per_sec);
         let sql = self.peek_sql.as_str();
         let micro: Option<i64> = self
@@ -322,6 +323,7 @@ impl PgKeyedLimiter {
     ) -> Result<Grant, PgLimitError> {
         check_key(id)?;
         check_count(n)?;
+        check_opt_time(at)?;
         let sql = self.take_sql[usize::from(partial) * 2 + usize::from(at.is_some())].as_str();
         self.pool
             .for_key(id)
@@ -373,6 +375,7 @@ impl PgKeyedLimiter {
     ) -> Result<(), PgLimitError> {
         check_key(id)?;
         check_count(n)?;
+        check_opt_time(at)?;
         let sql = self.give_back_sql.as_str();
         self.pool
             .for_key(id)

@@ -66,7 +66,7 @@ use std::time::{Duration, SystemTime};
 use super::conn::Conn;
 use super::keyed::{take_sql, Grant, PgKeyedLimiter};
 use super::retry::PgStats;
-use super::{check_bucket, check_key, PgOptions, MAX_CAPACITY};
+use super::{check_bucket, check_key, check_time, PgOptions, MAX_CAPACITY};
 use crate::clock::{Clock, MonotonicClock};
 use crate::error::PgLimitError;
 use crate::lease_core::{LocalTokens, RefillFlag};
@@ -445,6 +445,9 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> PgLeasedLimiter<C> {
         db_time: DbTime,
     ) -> Result<Self, PgLimitError> {
         lease.validate()?;
+        if let DbTime::Clock { origin } = db_time {
+            check_time(origin)?;
+        }
         let cap_micro = check_bucket(lease.rate, lease.burst as i128)?;
         let db = PgKeyedLimiter::connect(config, options).await?;
         let batch_sql = db
@@ -933,10 +936,17 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> Inner<C> {
         self.opts.trickle_interval.min(burst_time / 4)
     }
 
-    fn at(&self) -> Option<SystemTime> {
+    /// The time of a database statement: `None` for the server's clock.
+    fn at(&self) -> Result<Option<SystemTime>, PgLimitError> {
         match self.db_time {
-            DbTime::Server => None,
-            DbTime::Clock { origin } => Some(origin + self.clock.now()),
+            DbTime::Server => Ok(None),
+            DbTime::Clock { origin } => {
+                let at = origin
+                    .checked_add(self.clock.now())
+                    .ok_or(PgLimitError::TimeOutOfRange { at: origin })?;
+                check_time(at)?;
+                Ok(Some(at))
+            }
         }
     }
 
@@ -1100,7 +1110,7 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> Inner<C> {
         self.counters
             .largest_lease
             .fetch_max(ask, Ordering::Relaxed);
-        let g = self.batched_take(key, ask, self.at()).await?;
+        let g = self.batched_take(key, ask, self.at()?).await?;
         let landed = self.clock.now();
         let took = landed.saturating_sub(now);
         ctl.latency_est = if ctl.latency_est.is_zero() {
@@ -1200,7 +1210,7 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> Inner<C> {
             return Ok(0);
         }
         self.db
-            .give_back_raw(key, self.opts.rate, self.cap_micro, n as i64, self.at())
+            .give_back_raw(key, self.opts.rate, self.cap_micro, n as i64, self.at()?)
             .await?;
         // Relaxed: statistics.
         self.counters.returned.fetch_add(n, Ordering::Relaxed);

@@ -21,7 +21,7 @@ use tokio_postgres::error::SqlState;
 use super::conn::Conn;
 use super::retry::{PgStats, RunError};
 use super::schema::{self, Schema};
-use super::{check_key, PgOptions};
+use super::{check_key, check_opt_time, PgOptions};
 use crate::error::PgLimitError;
 use crate::sync::Arc;
 
@@ -216,6 +216,7 @@ impl PgWindowLimiter {
     ) -> Result<Decision, PgLimitError> {
         check_zone_id(zone)?;
         check_key(key)?;
+        check_opt_time(at)?;
         let sql = self.check_sql.as_str();
         self.conn
             .run(|live| async move {
@@ -247,8 +248,12 @@ impl PgWindowLimiter {
     /// up), then key rows left without log rows. Returns the log rows deleted.
     pub async fn purge(&self, batch: i64, at: Option<SystemTime>) -> Result<u64, PgLimitError> {
         if batch <= 0 {
-            return Err(PgLimitError::InvalidCount { n: batch });
+            return Err(PgLimitError::InvalidOption {
+                name: "batch",
+                reason: "the purge batch size (log rows deleted per statement) must be at least 1",
+            });
         }
+        check_opt_time(at)?;
         let mut total = 0;
         loop {
             let sql = self.purge_log_sql.as_str();
