@@ -540,7 +540,7 @@ async fn refill_under_steady_load_4_workers_10s() {
     let first = limiter(&pg, PgOptions::new()).await;
     let c = client(&pg).await;
     let schema = iothrottle::pg::Schema::new("iothrottle").unwrap();
-    iothrottle::pg::reference::install_reference_function(&c, &schema)
+    common::pg_reference::install_reference_function(&c, &schema)
         .await
         .unwrap();
     drop(first);

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use tokio_postgres::{Client, Config, Statement};
 
 use super::retry::{classify, typed, with_retries, Class, RunError, Stats};
+use super::sql;
 use super::{Isolation, PgOptions};
 use crate::error::PgLimitError;
 use crate::sync::Arc;
@@ -417,16 +418,13 @@ impl Conn {
             Isolation::ReadCommitted => "read committed",
             Isolation::Serializable => "serializable",
         };
-        // plan_cache_mode: the limiter's statements have one good plan (a primary-key probe);
-        // left to `auto`, the server keeps re-planning the upsert for every call (custom
-        // plans), which costs about as much as running it.
         // synchronous_commit: `false` turns it off for this session; `true` makes sure it is
         // not off (the server, database or role may have it off), keeping a stronger
         // `remote_*` setting when there is one.
         let sync = if !self.options.synchronous_commit {
             "SET synchronous_commit TO off;"
         } else {
-            let row = client.query_one("SHOW synchronous_commit", &[]).await?;
+            let row = client.query_one(sql::SHOW_SYNCHRONOUS_COMMIT, &[]).await?;
             if row.get::<_, &str>(0) == "off" {
                 "SET synchronous_commit TO on;"
             } else {
@@ -434,10 +432,7 @@ impl Conn {
             }
         };
         client
-            .batch_execute(&format!(
-                "SET default_transaction_isolation TO '{iso}'; SET application_name TO 'iothrottle'; \
-                 SET plan_cache_mode TO force_generic_plan; {sync}"
-            ))
+            .batch_execute(&sql::session_settings(iso, sync))
             .await?;
         let live = Arc::new(Live::new(client, end));
         *self.live.lock().expect("connection slot") = Some(live.clone());

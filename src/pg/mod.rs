@@ -22,13 +22,13 @@
 
 mod conn;
 pub(crate) use conn::SessionEnd;
-pub mod keyed;
-pub mod leased;
-pub mod reference;
+mod keyed;
+mod leased;
 mod retry;
 mod schema;
+mod sql;
 pub(crate) mod tls;
-pub mod window;
+mod window;
 
 pub use keyed::{Grant, PgKeyedLimiter};
 pub use leased::{DbTime, LeaseOptions, LeaseStats, LeasedKey, PgLeasedLimiter};
