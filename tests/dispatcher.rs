@@ -592,7 +592,7 @@ fn churn(shards: usize, classes: usize, requests: u64, seed: u64) {
     );
 }
 
-/// Regression (issue 8, defect 9): `shards(usize::MAX)` panicked with a capacity overflow.
+/// `shards(usize::MAX)` is a typed error, not a capacity-overflow panic.
 #[test]
 fn too_many_shards_is_a_typed_error_and_more_than_the_cores_a_warning() {
     let build = |n: usize| {
@@ -646,8 +646,8 @@ fn finishes<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'stati
         .unwrap_or_else(|_| panic!("{what}: still blocked after 60 s"))
 }
 
-/// Regression (issue 8, defect 4) with real threads: a request waiting 1,000 s for its tokens
-/// is served once the rate is raised (the shard was not woken: it slept out its old deadline).
+/// With real threads: a request waiting 1,000 s for its tokens is served once the rate is
+/// raised (the raise wakes the shard, which does not sleep out its old deadline).
 #[test]
 fn set_rate_reaches_a_request_already_waiting() {
     let d = Dispatcher::builder()
@@ -759,9 +759,9 @@ impl Drop for PanicOnDrop {
     }
 }
 
-/// Regression (issue 8, defect 10): a cancelled future whose `Drop` panicked killed its shard
-/// thread (later requests there failed with `ShutDown`), and the dead shard's classes stayed
-/// "backlogged", freezing the other shards' fairness.
+/// A cancelled future whose `Drop` panics does not kill its shard thread (later requests there
+/// would fail with `ShutDown`), and the shard's classes do not stay "backlogged" (which would
+/// freeze the other shards' fairness).
 #[test]
 fn a_future_whose_drop_panics_does_not_kill_its_shard() {
     let d = Dispatcher::builder()
@@ -842,8 +842,8 @@ fn blocked_on(
     (d, h, started)
 }
 
-/// Regression (issue 8, defect 10): dropping a dispatcher in async code blocked the runtime's
-/// thread on a future that needed that thread (a deadlock). Drop no longer waits there.
+/// Dropping a dispatcher in async code does not block the runtime's thread on a future that
+/// needs that thread (a deadlock): drop does not wait there.
 #[test]
 fn dropping_the_dispatcher_in_async_code_does_not_deadlock() {
     let got = finishes("drop in async code", || {

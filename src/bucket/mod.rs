@@ -301,27 +301,24 @@ impl<M: Mode, C: Clock> SharedTokenBucket<M, C> {
         self.rovers.replenish(timestamp(now))
     }
 
-    /// Loom models only: the first half of a replenish at `now` (the CAS on the replenish
+    /// The loom models only: the first half of a replenish at `now` (the CAS on the replenish
     /// time), returning the tokens claimed; [`loom_fill`](Self::loom_fill) adds them. Lets a
     /// model stall a replenisher between the two halves.
-    #[cfg(iothrottle_loom)]
-    #[doc(hidden)]
-    pub fn loom_claim_at(&self, now: Duration) -> Option<u128> {
+    #[cfg(all(test, iothrottle_loom))]
+    pub(crate) fn loom_claim_at(&self, now: Duration) -> Option<u128> {
         self.rovers.claim(timestamp(now))
     }
 
-    /// Loom models only: the second half of a replenish (see `loom_claim_at`).
-    #[cfg(iothrottle_loom)]
-    #[doc(hidden)]
-    pub fn loom_fill(&self, extra: u128) -> u64 {
+    /// The loom models only: the second half of a replenish (see `loom_claim_at`).
+    #[cfg(all(test, iothrottle_loom))]
+    pub(crate) fn loom_fill(&self, extra: u128) -> u64 {
         self.rovers.fill(extra)
     }
 
-    /// Loom models only: [`set_rate`](Self::set_rate) at `now`, returning the tokens it added
+    /// The loom models only: [`set_rate`](Self::set_rate) at `now`, returning the tokens it added
     /// when it closed the old rate's interval.
-    #[cfg(iothrottle_loom)]
-    #[doc(hidden)]
-    pub fn loom_set_rate_at(&self, rate: Rate, now: Duration) -> u64 {
+    #[cfg(all(test, iothrottle_loom))]
+    pub(crate) fn loom_set_rate_at(&self, rate: Rate, now: Duration) -> u64 {
         self.rovers.set_rate(rate.raw().unwrap(), timestamp(now))
     }
 

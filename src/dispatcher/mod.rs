@@ -43,14 +43,11 @@
 //! do differently from Seastar) follows.
 #![doc = include_str!("../../docs/dispatcher.md")]
 
-#[allow(unreachable_pub)] // `pub` for the loom build, which re-exports it (see `loom.rs`)
 pub(crate) mod alarm;
-#[allow(unreachable_pub)] // `pub` for the loom build, which re-exports it (see `loom.rs`)
 pub(crate) mod bound;
 mod budget;
 mod class;
 mod cost;
-#[allow(unreachable_pub)] // `pub` for the loom build, which re-exports it (see `loom.rs`)
 pub(crate) mod fair;
 mod handle;
 mod latency;

@@ -31,7 +31,7 @@ pub(crate) mod tls;
 mod window;
 
 pub use keyed::{Grant, PgKeyedLimiter};
-pub use leased::{DbTime, LeaseOptions, LeaseStats, LeasedKey, PgLeasedLimiter};
+pub use leased::{LeaseOptions, LeaseStats, LeasedKey, PgLeasedLimiter};
 pub use retry::{PgStats, RetryPolicy};
 pub use schema::{install, install_classic_function, installed_version, Schema, SCHEMA_VERSION};
 pub use window::{Decision, PgWindowLimiter, Zone};

@@ -106,8 +106,8 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> Inner<C> {
     /// Leases for `key` on a task of its own, under the key's mutex, and waits for it. The
     /// lease is never cancelled with its caller: a caller dropped mid-lease leaves the lease to
     /// finish and deposit its tokens (under the mutex, so `held ≤ max_lease` still holds and
-    /// no tokens are taken from the row without landing in the key). Defect: "a cancelled
-    /// acquire loses the tokens of its lease in flight".
+    /// no tokens are taken from the row without landing in the key): a cancelled acquire never
+    /// loses the tokens of its lease in flight.
     async fn lease_detached(
         self: &Arc<Self>,
         key: &str,

@@ -96,7 +96,7 @@ impl KeyState {
     }
 
     /// Room for a lease: `max_lease − held`. Exact, as no failing take is ever counted in
-    /// `held` (defect: "a failing fast-path `try_take` makes a later refund vanish").
+    /// `held` (else a failing fast-path `try_take` could make a later refund vanish).
     pub(super) fn room(&self, max_lease: u64) -> u64 {
         max_lease.saturating_sub(self.tokens.held())
     }
@@ -129,10 +129,10 @@ mod tests {
         }
     }
 
-    /// Defect: "a failing fast-path `try_take` in leased mode makes a later refund vanish".
-    /// The old local bucket counted a failing take's claim until it refunded it, so a lease
-    /// landing in between saw `held = 0`, asked for `max_lease`, and the failing take's
-    /// refund then overflowed the bucket: the tokens held before were lost.
+    /// A failing fast-path `try_take` in leased mode does not make a later refund vanish: were
+    /// a failing take's claim counted until it refunded it, a lease landing in between would
+    /// see `held = 0` and ask for `max_lease`, and the failing take's refund would then
+    /// overflow the bucket, losing the tokens held before.
     #[test]
     fn failing_fast_path_take_makes_no_refund_vanish() {
         const MAX_LEASE: u64 = 10;

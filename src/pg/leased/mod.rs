@@ -15,7 +15,8 @@ use self::batch::Leaser;
 use self::inner::Inner;
 use self::key::KeyState;
 use self::options::Counters;
-pub use self::options::{DbTime, LeaseOptions, LeaseStats};
+use self::options::DbTime;
+pub use self::options::{LeaseOptions, LeaseStats};
 use super::keyed::PgKeyedLimiter;
 use super::retry::PgStats;
 use super::{check_bucket, check_key, check_time, PgOptions};
@@ -101,21 +102,40 @@ impl PgLeasedLimiter<MonotonicClock> {
         options: PgOptions,
         lease: LeaseOptions,
     ) -> Result<Self, PgLimitError> {
-        Self::with_clock(
-            config,
-            options,
-            lease,
-            MonotonicClock::new(),
-            DbTime::Server,
-        )
-        .await
+        Self::with_clock(config, options, lease, MonotonicClock::new()).await
     }
 }
 
 impl<C: Clock + Clone + std::fmt::Debug + 'static> PgLeasedLimiter<C> {
-    /// Connects with a clock of the caller's choice; with [`DbTime::Clock`] the database
-    /// statements use that clock too.
+    /// Connects with a clock of the caller's choice for the local side (consumption
+    /// estimates, trickling, idle eviction); statements use the server's time.
     pub async fn with_clock(
+        config: &str,
+        options: PgOptions,
+        lease: LeaseOptions,
+        clock: C,
+    ) -> Result<Self, PgLimitError> {
+        Self::build(config, options, lease, clock, DbTime::Server).await
+    }
+
+    /// A test utility (feature `test-util`, like tokio's paused time): every database
+    /// statement is dated `origin + clock.now()` instead of the server's clock, so a test or a
+    /// simulation drives the local buckets and the rows with one
+    /// [`ManualClock`](crate::ManualClock). Times outside `timestamptz` are
+    /// [`TimeOutOfRange`](PgLimitError::TimeOutOfRange).
+    #[cfg(feature = "test-util")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
+    pub async fn with_simulated_time(
+        config: &str,
+        options: PgOptions,
+        lease: LeaseOptions,
+        clock: C,
+        origin: std::time::SystemTime,
+    ) -> Result<Self, PgLimitError> {
+        Self::build(config, options, lease, clock, DbTime::Clock { origin }).await
+    }
+
+    async fn build(
         config: &str,
         options: PgOptions,
         lease: LeaseOptions,

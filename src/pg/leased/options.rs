@@ -8,11 +8,13 @@ use crate::sync::AtomicU64;
 
 /// Where the database statements of a leased limiter take their time from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DbTime {
-    /// The server's `clock_timestamp()` (production).
+pub(super) enum DbTime {
+    /// The server's `clock_timestamp()`.
     Server,
-    /// `origin + clock.now()` from the limiter's [`Clock`]: tests and simulations drive the
-    /// database's time with a [`ManualClock`](crate::ManualClock).
+    /// `origin + clock.now()` from the limiter's clock
+    /// ([`PgLeasedLimiter::with_simulated_time`](super::PgLeasedLimiter::with_simulated_time),
+    /// feature `test-util`).
+    #[cfg_attr(not(feature = "test-util"), allow(dead_code))]
     Clock {
         /// The wall-clock time of the clock's zero.
         origin: SystemTime,
