@@ -93,9 +93,7 @@ async fn server_error_shows_sqlstate_and_server_message() {
     // A constraint the statement breaks: the server refuses it with 23514.
     client(&pg)
         .await
-        .batch_execute(
-            "ALTER TABLE iothrottle.token_bucket ADD CONSTRAINT no_k CHECK (id <> 'k')",
-        )
+        .batch_execute("ALTER TABLE iothrottle.token_bucket ADD CONSTRAINT no_k CHECK (id <> 'k')")
         .await
         .unwrap();
     let err = l.request("k", 1, 10).await.unwrap_err();
@@ -156,7 +154,10 @@ async fn an_invalid_connection_string_says_so() {
         "{err:?}"
     );
     let text = err.to_string();
-    assert!(text.contains("invalid PostgreSQL connection string"), "{text}");
+    assert!(
+        text.contains("invalid PostgreSQL connection string"),
+        "{text}"
+    );
     assert!(!text.contains("lost"), "{text}");
     assert!(error_chain(&err).contains("port"), "{}", error_chain(&err));
     let err = PgWindowLimiter::connect("postgresql://[", PgOptions::new())
@@ -185,7 +186,10 @@ async fn a_refused_connection_says_it_could_not_connect() {
     assert!(matches!(err, PgLimitError::Connect { .. }), "{err:?}");
     let text = err.to_string();
     assert!(text.contains("could not connect"), "{text}");
-    assert!(!text.contains("lost") && !text.contains("unknown"), "{text}");
+    assert!(
+        !text.contains("lost") && !text.contains("unknown"),
+        "{text}"
+    );
     let chain = error_chain(&err);
     assert!(chain.to_lowercase().contains("refused"), "{chain}");
 }
@@ -214,9 +218,15 @@ async fn an_out_of_range_time_is_a_typed_error() {
         );
         assert!(err.to_string().contains("timestamptz"), "{err}");
         let err = l.peek_at("k", 10, 10, at).await.unwrap_err();
-        assert!(matches!(err, PgLimitError::TimeOutOfRange { .. }), "{err:?}");
+        assert!(
+            matches!(err, PgLimitError::TimeOutOfRange { .. }),
+            "{err:?}"
+        );
         let err = l.take("k", 10, 10, 1, true, Some(at)).await.unwrap_err();
-        assert!(matches!(err, PgLimitError::TimeOutOfRange { .. }), "{err:?}");
+        assert!(
+            matches!(err, PgLimitError::TimeOutOfRange { .. }),
+            "{err:?}"
+        );
     }
     // Nothing was written: the key is new, and refills normally from t0.
     assert_eq!(l.request_n_at("k", 10, 10, 100, t0()).await.unwrap(), 0);
@@ -230,9 +240,15 @@ async fn an_out_of_range_time_is_a_typed_error() {
         .await
         .unwrap();
     let err = w.check_at("login", "k", far).await.unwrap_err();
-    assert!(matches!(err, PgLimitError::TimeOutOfRange { .. }), "{err:?}");
+    assert!(
+        matches!(err, PgLimitError::TimeOutOfRange { .. }),
+        "{err:?}"
+    );
     let err = w.purge(10, Some(far)).await.unwrap_err();
-    assert!(matches!(err, PgLimitError::TimeOutOfRange { .. }), "{err:?}");
+    assert!(
+        matches!(err, PgLimitError::TimeOutOfRange { .. }),
+        "{err:?}"
+    );
 }
 
 /// `purge(0)` names the purge's batch size, not a number of tokens.

@@ -254,7 +254,10 @@ impl Live {
 /// private; its `Display` names the kind (`error performing TLS handshake: …`), without the
 /// cause's text.
 fn connect_failure(source: tokio_postgres::Error) -> PgLimitError {
-    if source.to_string().starts_with("error performing TLS handshake") {
+    if source
+        .to_string()
+        .starts_with("error performing TLS handshake")
+    {
         PgLimitError::Tls { source }
     } else {
         PgLimitError::Connect { source }

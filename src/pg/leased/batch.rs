@@ -46,7 +46,6 @@ struct Pending {
     tx: tokio::sync::oneshot::Sender<Result<Grant, PgLimitError>>,
 }
 
-
 /// Takes leases from the keys' rows, batching them per session.
 #[derive(Debug)]
 pub(super) struct Leaser {

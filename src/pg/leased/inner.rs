@@ -24,7 +24,6 @@ pub(super) enum Leased {
     Got(u64),
 }
 
-
 #[derive(Debug)]
 /// A leased limiter's state, shared with its key handles and background tasks.
 pub(super) struct Inner<C: Clock> {
@@ -39,12 +38,16 @@ pub(super) struct Inner<C: Clock> {
     pub(super) counters: Counters,
 }
 
-
 impl<C: Clock + Clone + std::fmt::Debug + 'static> Inner<C> {
     /// Takes `n` local tokens if they are there, and starts a background lease when few are
     /// left. No round trip, no lock. `Some(false)`: refused at once (trickling, nothing
     /// local); `None`: go to the slow path.
-    pub(super) fn fast_take(self: &Arc<Self>, key: &str, ks: &Arc<KeyState>, n: u64) -> Option<bool> {
+    pub(super) fn fast_take(
+        self: &Arc<Self>,
+        key: &str,
+        ks: &Arc<KeyState>,
+        n: u64,
+    ) -> Option<bool> {
         let now = self.clock.now();
         ks.touch(now);
         if !ks.try_take(n) {

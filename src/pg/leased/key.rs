@@ -108,7 +108,6 @@ impl KeyState {
     }
 }
 
-
 #[cfg(test)]
 mod tests {
     use std::cell::RefCell;
@@ -155,4 +154,3 @@ mod tests {
         assert_eq!(ks.tokens.held(), 0);
     }
 }
-

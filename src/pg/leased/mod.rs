@@ -369,4 +369,3 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> LeasedKey<C> {
         Ok(ok)
     }
 }
-

@@ -188,4 +188,3 @@ pub(super) struct Counters {
     pub(super) evictions: AtomicU64,
     pub(super) largest_lease: AtomicU64,
 }
-
