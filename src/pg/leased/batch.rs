@@ -15,10 +15,10 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
 
-use super::super::conn::Conn;
-use super::super::keyed::{Grant, PgKeyedLimiter};
-use super::super::sql;
 use crate::error::PgLimitError;
+use crate::pg::conn::Conn;
+use crate::pg::keyed::{Grant, PgKeyedLimiter};
+use crate::pg::sql;
 use crate::sync::{Arc, AtomicU64, Ordering};
 
 /// The most leases one batch statement takes.

@@ -1,17 +1,17 @@
 //! The local side of leased mode: the key map, the fast and slow paths of a take, how a
-//! lease is sized, background refills, eviction. The module docs of [`super`] describe the
-//! algorithm and the bound it keeps.
+//! lease is sized, background refills, eviction. [`PgLeasedLimiter`](super::PgLeasedLimiter)
+//! describes the algorithm and the bound it keeps.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, RwLock};
 use std::time::{Duration, SystemTime};
 
-use super::super::check_time;
 use super::batch::Leaser;
 use super::key::{KeyState, LeaseCtl};
 use super::options::{Counters, DbTime, LeaseOptions};
 use crate::clock::Clock;
 use crate::error::PgLimitError;
+use crate::pg::check_time;
 use crate::sync::{Arc, Ordering};
 
 /// What a detached lease found or did (see `Inner::lease_detached`).
@@ -24,8 +24,8 @@ pub(super) enum Leased {
     Got(u64),
 }
 
-#[derive(Debug)]
 /// A leased limiter's state, shared with its key handles and background tasks.
+#[derive(Debug)]
 pub(super) struct Inner<C: Clock> {
     /// Takes the leases (and holds the strict limiter underneath).
     pub(super) leaser: Arc<Leaser>,

@@ -2,8 +2,8 @@
 
 use std::time::{Duration, SystemTime};
 
-use super::super::{check_bucket, MAX_CAPACITY};
 use crate::error::PgLimitError;
+use crate::pg::{check_bucket, MAX_CAPACITY};
 use crate::sync::AtomicU64;
 
 /// Where the database statements of a leased limiter take their time from.
