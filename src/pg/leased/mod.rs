@@ -2,6 +2,15 @@
 //! limiter and its key handles here; the key map and the take paths in `inner`, one key's
 //! state in `key`, the batched lease statements in `batch`, the options and counters in
 //! `options`.
+//!
+//! # Orderings
+//!
+//! The per-key `last_used` and `low` and the statistics are `Relaxed`: they feed estimates
+//! (idle eviction, when to refill) and counts, never a decision that other memory depends on.
+//! The consumption estimate lives under the key's lease mutex. The local tokens and the
+//! refill flag are the crate's `lease_core`, model-checked by loom (`loom-tests/leased.rs`).
+//! The fast path does one successful compare-and-swap on the key's token count and nothing
+//! else shared.
 
 mod batch;
 mod inner;
@@ -81,15 +90,6 @@ use crate::sync::{Arc, Ordering};
 /// bucket held at the start (at most `burst`) plus its refill (`rate × W`, exact in
 /// micro-tokens). A server crash with `synchronous_commit = off` can forget recent leases
 /// and break this bound by what it forgot.
-///
-/// # Orderings
-///
-/// The per-key `last_used` and `low` and the statistics are `Relaxed`: they feed estimates
-/// (idle eviction, when to refill) and counts, never a decision that other memory depends on.
-/// The consumption estimate lives under the key's lease mutex. The local tokens and the
-/// refill flag are the crate's `lease_core`, model-checked by loom (`loom-tests/leased.rs`).
-/// The fast path does one successful compare-and-swap on the key's token count and nothing
-/// else shared.
 #[derive(Debug)]
 pub struct PgLeasedLimiter<C: Clock + Clone + 'static = MonotonicClock> {
     inner: Arc<Inner<C>>,
