@@ -91,7 +91,7 @@ impl LeaseOptions {
     }
 
     /// Keys unused for this long are evicted first (and by
-    /// [`evict_idle`](PgLeasedLimiter::evict_idle)).
+    /// [`evict_idle`](super::PgLeasedLimiter::evict_idle)).
     pub fn with_idle_timeout(mut self, idle: Duration) -> Self {
         self.idle_timeout = idle;
         self
