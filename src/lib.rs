@@ -84,7 +84,8 @@
 //! - [`checkpoint`]: durable checkpoints (a file, or PostgreSQL): no free burst after a crash.
 //! - `pg` (feature `postgres`): per-key limits on PostgreSQL, strict, leased or sliding-window.
 //! - `metrics` (feature `metrics`): counters and histograms through the `metrics` facade.
-//! - [`error`]: typed errors.
+//! - Errors: one typed enum per operation, at the crate root ([`ConfigError`], [`BuildError`],
+//!   …); each error's `Display` is its own message, and its cause comes from `source()`.
 //!
 //! ## Feature flags
 //!
@@ -113,6 +114,7 @@
     unsafe_op_in_unsafe_fn,
     rust_2018_idioms
 )]
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 pub mod adapter;
 pub mod bucket;
@@ -138,7 +140,7 @@ mod dispatcher {
     #[path = "fair.rs"]
     pub(crate) mod fair;
 }
-pub mod error;
+mod error;
 #[cfg(not(iothrottle_loom))]
 pub mod keyed;
 // Leased mode's atomic core: used by `pg`'s leased mode, and modelled by the loom tests.
@@ -167,11 +169,13 @@ pub use clock::{Clock, ManualClock, MonotonicClock};
 #[cfg(all(feature = "rt", not(iothrottle_loom)))]
 #[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
 pub use dispatcher::{ClassConfig, ClassId, DiskModel, Dispatcher, IoRequest};
-pub use error::ParseRateError;
 pub use error::{
-    AcquireError, BuildError, CheckpointError, ClockError, ConfigError, DispatchError, SubmitError,
-    TryAcquireError,
+    AcquireError, BuildError, CheckpointError, ClockError, ConfigError, ControlError,
+    DispatchError, ParseRateError, ShutdownError, SubmitError, TryAcquireError,
 };
+#[cfg(all(feature = "rt", not(iothrottle_loom)))]
+#[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
+pub use error::{CalibrateError, DiskError, PropertiesError};
 #[cfg(feature = "rt")]
 #[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
 pub use throttle::{Permit, Throttle};

@@ -689,7 +689,7 @@ fn set_rate_reaches_a_request_already_waiting() {
 
 #[test]
 fn runtime_control_errors_are_typed() {
-    use iothrottle::error::ControlError;
+    use iothrottle::ControlError;
     let d = Dispatcher::builder()
         .shards(1)
         .disk(NVME)
@@ -885,7 +885,7 @@ fn shutdown_async_waits_without_blocking_the_runtime() {
 
 #[test]
 fn shutdown_timeout_bounds_the_wait() {
-    use iothrottle::error::ShutdownError;
+    use iothrottle::ShutdownError;
     let (tx, rx) = tokio::sync::oneshot::channel();
     let (d, h, started) = blocked_on(rx);
     rt().block_on(started).unwrap();
@@ -902,8 +902,8 @@ fn shutdown_timeout_bounds_the_wait() {
     );
 }
 
-/// Regression: `DiskModel::default()` silently assumed an NVMe drive about 4× faster than this
-/// project's disk, and a builder without a disk used it. A disk model is now required.
+/// A builder without a disk model is a typed error: no default disk (an NVMe drive's figures
+/// would be about 4× too fast for a virtio disk) is assumed silently.
 #[test]
 fn build_without_a_disk_model_is_a_typed_error() {
     let mut b = Dispatcher::builder().shards(1);
@@ -922,9 +922,8 @@ fn build_without_a_disk_model_is_a_typed_error() {
     ));
 }
 
-/// Regression: at default settings a 1 MiB write was refused (`TooLarge`) and split pieces were
-/// cut at arbitrary bytes. Now `submit_split` cuts it into 4 KiB-aligned pieces within the
-/// latency goal that add up to the request, and `submit`'s error says what fits.
+/// At default settings `submit_split` cuts a 1 MiB write into 4 KiB-aligned pieces within the
+/// latency goal that add up to the request, and `submit`'s `TooLarge` error says what fits.
 #[test]
 fn a_one_mib_write_at_default_settings_splits_into_aligned_pieces() {
     // A disk like this project's virtio disk: 1 MiB is ~1.6 ms of disk time, over the goal.

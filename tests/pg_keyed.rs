@@ -621,7 +621,7 @@ async fn distinct_keys_in_flight_do_not_share_a_session() {
         return;
     };
     let l = Arc::new(limiter(&pg, PgOptions::new().with_connections(4)).await);
-    // Four keys with the same slot under the old rule (`hash(key) % 4`).
+    // Four keys with the same slot under a fixed hash (`hash(key) % 4`).
     let slot = |k: &str| BuildHasherDefault::<DefaultHasher>::default().hash_one(k) % 4;
     let keys: Vec<String> = (0..)
         .map(|i| format!("k{i}"))

@@ -509,7 +509,7 @@ mod tests {
         c.activate(0, 0);
         // 2^40 tokens per charge at 1 share: 2^50 virtual units; 2^14 charges per wrap.
         // Three full wraps of the busy class's V (centuries at 10^9 tokens/s); the other class
-        // wakes after each three quarters of a wrap (2^63 and more behind: the old failure).
+        // wakes after each three quarters of a wrap (2^63 and more behind: where wrapping would bite).
         let step = 1u64 << 40;
         for round in 0..4 {
             for _ in 0..(3 << 12) {

@@ -515,7 +515,7 @@ impl DispatcherBuilder {
     ///         }
     ///     })
     ///     .build()?;
-    /// # Ok::<(), iothrottle::error::BuildError>(())
+    /// # Ok::<(), iothrottle::BuildError>(())
     /// ```
     pub fn on_shard_start<F>(mut self, hook: F) -> Self
     where
@@ -551,7 +551,7 @@ impl DispatcherBuilder {
     ///     .build()?;
     /// dispatcher.shutdown();
     /// assert_eq!(stopped.load(Ordering::SeqCst), 2);
-    /// # Ok::<(), iothrottle::error::BuildError>(())
+    /// # Ok::<(), iothrottle::BuildError>(())
     /// ```
     pub fn on_shard_stop<F>(mut self, hook: F) -> Self
     where

@@ -916,8 +916,8 @@ fn in_flight_disk_time_never_exceeds_the_latency_goal() {
 
 /// A foreground read arriving behind a deep compaction backlog is served within about the goal:
 /// at most the goal's disk time in flight, one reservation per shard (a batch and a piece)
-/// granted ahead of it, and its own cost. The same load with the old defaults (uncapped, a
-/// 4 ms limit) made it wait behind the whole burst.
+/// granted ahead of it, and its own cost. The same load on an uncapped dispatcher with a 4 ms
+/// limit makes it wait behind the whole burst.
 #[test]
 fn a_foreground_read_behind_a_large_background_backlog_waits_about_the_goal() {
     let run = |old: bool| {

@@ -120,8 +120,8 @@ mod tests {
         static AFTER_FAILED_TAKE: RefCell<Option<Hook>> = RefCell::new(None);
     }
 
-    /// Runs the test's hook, once, where a failing take has decided to fail: on the old local
-    /// bucket, between its claim and the refund of that claim.
+    /// Runs the test's hook, once, where a failing take has decided to fail (where a claim
+    /// counted until refunded would sit between the claim and its refund).
     pub(super) fn after_failed_take(ks: &KeyState) {
         if let Some(mut hook) = AFTER_FAILED_TAKE.with(|h| h.borrow_mut().take()) {
             hook(ks);
