@@ -196,11 +196,14 @@ pub enum CheckpointError {
         /// The driver's message.
         message: String,
     },
-    /// A bucket name that cannot be a row key (empty, or longer than 200 bytes).
-    #[error("invalid bucket name {name:?}: must be 1..=200 bytes")]
+    /// A bucket name that cannot be a row key (empty, longer than 200 bytes, or with a NUL
+    /// character, which PostgreSQL `text` cannot store).
+    #[error("invalid bucket name {name:?}: {reason}")]
     InvalidName {
         /// The name, as given.
         name: String,
+        /// Which rule it breaks.
+        reason: &'static str,
     },
     /// A checkpointer or durability setting that cannot work (a zero interval, a zero
     /// reservation, a back-off that shrinks).
@@ -659,6 +662,35 @@ pub enum PgLimitError {
         retry_in: std::time::Duration,
         /// The last connection failure, as text (SQLSTATE and message, or the socket error).
         why: String,
+    },
+    /// The connection string does not parse (nothing was sent).
+    #[error("invalid PostgreSQL connection string")]
+    InvalidConnectionString {
+        /// The driver's parse error.
+        #[source]
+        source: tokio_postgres::Error,
+    },
+    /// The server could not be reached (refused, unreachable, timed out, or it closed the
+    /// socket before the session started). No statement was sent: nothing was taken.
+    #[error("could not connect to the PostgreSQL server")]
+    Connect {
+        /// The driver's error (the socket error is among its sources).
+        #[source]
+        source: tokio_postgres::Error,
+    },
+    /// The TLS handshake failed: the server's certificate is not trusted or names another
+    /// host, or the server does not offer TLS. No statement was sent.
+    #[error("TLS handshake with the PostgreSQL server failed")]
+    Tls {
+        /// The driver's error (the TLS library's reason is among its sources).
+        #[source]
+        source: tokio_postgres::Error,
+    },
+    /// A caller-given time outside PostgreSQL's `timestamptz` range (4713 BC to 294276 AD).
+    #[error("the time {at:?} is outside PostgreSQL's timestamptz range (4713 BC to 294276 AD)")]
+    TimeOutOfRange {
+        /// The time, as given.
+        at: std::time::SystemTime,
     },
     /// Any other error from the server, with its SQLSTATE.
     #[error("PostgreSQL error {}", pg_error_text(.source))]

@@ -1,7 +1,7 @@
-//! The atomic core of leased mode ([`crate::pg::leased`]): a key's local tokens and its
-//! refill flag, with no tokio and no database, so that the loom models in `loom-tests/`
-//! check the code that leased mode runs (compiled with feature `postgres`, and under
-//! `cfg(iothrottle_loom)`).
+//! The atomic core of leased mode ([`PgLeasedLimiter`](crate::pg::PgLeasedLimiter)): a key's
+//! local tokens and its refill flag, with no tokio and no database, so that the loom model
+//! `loom-tests/leased.rs` (compiled inside the crate under `cfg(all(test, iothrottle_loom))`)
+//! checks the code that leased mode runs. Crate-private.
 //!
 //! # Local tokens ([`LocalTokens`])
 //!
@@ -31,18 +31,18 @@ const CLOSED: u64 = 1 << 63;
 
 /// A key's local tokens (see the [module docs](self)).
 #[derive(Debug, Default)]
-pub struct LocalTokens(AtomicU64);
+pub(crate) struct LocalTokens(AtomicU64);
 
 impl LocalTokens {
     /// No tokens, open.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         LocalTokens(AtomicU64::new(0))
     }
 
     /// Takes `n` tokens if they are all there (and the key is open): all or nothing, and
     /// nothing moves when it fails.
     #[inline]
-    pub fn try_take(&self, n: u64) -> bool {
+    pub(crate) fn try_take(&self, n: u64) -> bool {
         // Relaxed: the count is one location; its modification order decides (module doc).
         let mut cur = self.0.load(Ordering::Relaxed);
         loop {
@@ -62,13 +62,13 @@ impl LocalTokens {
 
     /// Tokens held now (0 once closed and emptied). A snapshot.
     #[inline]
-    pub fn held(&self) -> u64 {
+    pub(crate) fn held(&self) -> u64 {
         // Relaxed: a snapshot of one location.
         self.0.load(Ordering::Relaxed) & !CLOSED
     }
 
     /// Whether [`close`](Self::close) ran.
-    pub fn is_closed(&self) -> bool {
+    pub(crate) fn is_closed(&self) -> bool {
         // Relaxed: a snapshot; a stale "open" only sends the caller to a take that fails.
         self.0.load(Ordering::Relaxed) & CLOSED != 0
     }
@@ -76,7 +76,7 @@ impl LocalTokens {
     /// Adds `n` leased tokens. `Err(n)`: the key was closed first; the tokens were not kept
     /// and the caller must give them back. Only one deposit at a time (the lease mutex), and
     /// `n ≤ max − held()` read under it.
-    pub fn deposit(&self, n: u64) -> Result<(), u64> {
+    pub(crate) fn deposit(&self, n: u64) -> Result<(), u64> {
         // Relaxed: one location (module doc).
         let before = self.0.fetch_add(n, Ordering::Relaxed);
         if before & CLOSED == 0 {
@@ -91,7 +91,7 @@ impl LocalTokens {
 
     /// Closes the key and takes every token it held; returns how many (0 if already closed).
     /// After it, no take succeeds.
-    pub fn close(&self) -> u64 {
+    pub(crate) fn close(&self) -> u64 {
         // Relaxed: one location (module doc).
         let before = self.0.fetch_or(CLOSED, Ordering::Relaxed);
         if before & CLOSED != 0 {
@@ -113,18 +113,18 @@ impl LocalTokens {
 /// calls [`release`](Self::release) with a fresh "still low?" check, and refills again while
 /// it returns `true`.
 #[derive(Debug, Default)]
-pub struct RefillFlag(AtomicU64);
+pub(crate) struct RefillFlag(AtomicU64);
 
 impl RefillFlag {
     /// Not held.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         RefillFlag(AtomicU64::new(0))
     }
 
     /// Tries to become the key's refiller; `false`: a refiller is running and will see this
     /// caller's take when it lets go.
     #[inline]
-    pub fn claim(&self) -> bool {
+    pub(crate) fn claim(&self) -> bool {
         // Release: a loser's take (sequenced before) must be visible to the holder's re-check
         // after its `release` reads this write; the winner needs no Acquire (the lease
         // itself is ordered by the key's mutex).
@@ -133,7 +133,7 @@ impl RefillFlag {
 
     /// Lets go of the flag, then re-checks with `still_low`: `true` when the caller holds
     /// the flag again and must refill again (a take left the key low while it held it).
-    pub fn release(&self, still_low: impl Fn() -> bool) -> bool {
+    pub(crate) fn release(&self, still_low: impl Fn() -> bool) -> bool {
         // Acquire: reads the last claim's write (an RMW), so every take that lost the flag
         // before this point happens-before the re-check below.
         self.0.swap(0, Ordering::Acquire);
@@ -141,7 +141,8 @@ impl RefillFlag {
     }
 
     /// Whether a refiller holds the flag (a snapshot, for tests).
-    pub fn is_held(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_held(&self) -> bool {
         // Relaxed: a snapshot.
         self.0.load(Ordering::Relaxed) == 1
     }

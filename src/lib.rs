@@ -143,10 +143,9 @@ mod dispatcher {
 mod error;
 #[cfg(not(iothrottle_loom))]
 pub mod keyed;
-// Leased mode's atomic core: used by `pg::leased`, and modelled by the loom tests.
-#[cfg(any(feature = "postgres", iothrottle_loom))]
-#[doc(hidden)]
-pub mod lease_core;
+// Leased mode's atomic core: used by `pg`'s leased mode, and modelled by the loom tests.
+#[cfg(any(feature = "postgres", all(test, iothrottle_loom)))]
+mod lease_core;
 #[cfg(feature = "metrics")]
 #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
 pub mod metrics;

@@ -143,6 +143,25 @@ fn bad_connection_settings_are_typed_errors() {
     ));
 }
 
+/// A name the server cannot store is refused when the store is made, not at every save
+/// (where `restore_or_empty` would fall back to an empty bucket and a checkpointer would retry
+/// for ever).
+#[test]
+fn a_bucket_name_with_nul_is_refused_up_front() {
+    match PgCheckpoint::new("host=localhost", "a\0b") {
+        Err(CheckpointError::InvalidName { name, reason }) => {
+            assert_eq!(name, "a\0b");
+            assert!(reason.contains("NUL"), "{reason}");
+        }
+        other => panic!("expected InvalidName, got {other:?}"),
+    }
+    assert!(matches!(
+        PgCheckpoint::new("host=localhost", &"n".repeat(201)),
+        Err(CheckpointError::InvalidName { reason, .. }) if reason.contains("200")
+    ));
+    assert!(PgCheckpoint::new("host=localhost", &"n".repeat(200)).is_ok());
+}
+
 #[tokio::test]
 async fn rows_that_cannot_be_trusted_are_typed_errors() {
     let Some(pg) = cluster_or_skip("rows_that_cannot_be_trusted_are_typed_errors") else {

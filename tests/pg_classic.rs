@@ -10,7 +10,7 @@ mod common;
 use std::time::Duration;
 
 use common::pg::{cluster_or_skip, PgCluster};
-use iothrottle::pg::reference::install_reference_function;
+use common::pg_reference::install_reference_function;
 use iothrottle::pg::{PgKeyedLimiter, PgOptions, Schema, MAX_CAPACITY};
 use iothrottle::PgLimitError;
 use tokio_postgres::NoTls;

@@ -1,12 +1,13 @@
-//! Error messages keep the server's SQLSTATE and text: a killed session says why, not only
-//! "connection to PostgreSQL lost (…): db error".
+//! Error messages say what failed: the server's SQLSTATE and text for a server error or a
+//! killed session (never the driver's bare "db error"), and for a connection that never
+//! opened, why (a bad connection string, a refused connection), never "lost".
 
 mod common;
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use common::pg::{cluster_or_skip, PgCluster};
+use common::pg::{cluster_or_skip, error_chain, PgCluster};
 use iothrottle::pg::{PgKeyedLimiter, PgOptions, PgWindowLimiter, Zone};
 use iothrottle::PgLimitError;
 use tokio_postgres::NoTls;
@@ -85,21 +86,190 @@ async fn server_error_shows_sqlstate_and_server_message() {
     let Some(pg) = cluster_or_skip("server_error_shows_sqlstate_and_server_message") else {
         return;
     };
-    // Not installed: the statement fails on the server with 42P01 (no such table).
     let l = PgKeyedLimiter::connect(&pg.connection_string(), PgOptions::new())
+        .await
+        .unwrap();
+    l.install().await.unwrap();
+    // A constraint the statement breaks: the server refuses it with 23514.
+    client(&pg)
+        .await
+        .batch_execute("ALTER TABLE iothrottle.token_bucket ADD CONSTRAINT no_k CHECK (id <> 'k')")
         .await
         .unwrap();
     let err = l.request("k", 1, 10).await.unwrap_err();
     let text = err.to_string();
     assert!(
-        matches!(&err, PgLimitError::Db { sqlstate, .. } if sqlstate == "42P01"),
+        matches!(&err, PgLimitError::Db { sqlstate, .. } if sqlstate == "23514"),
         "{err:?}"
     );
-    assert!(text.contains("42P01"), "{text}");
+    assert!(text.contains("23514"), "{text}");
     assert!(
-        text.contains("relation \"iothrottle.token_bucket\" does not exist"),
+        text.contains("violates check constraint \"no_k\""),
         "{text}"
     );
+}
+
+/// Before `install()` every statement finds no table or function: the error says so, with
+/// the schema looked in, instead of the server's `42P01`/`42883`.
+#[tokio::test]
+async fn a_call_before_install_is_not_installed() {
+    let Some(pg) = cluster_or_skip("a_call_before_install_is_not_installed") else {
+        return;
+    };
+    let opts = PgOptions::new().with_schema("nothing_here");
+    let l = PgKeyedLimiter::connect(&pg.connection_string(), opts.clone())
+        .await
+        .unwrap();
+    for err in [
+        l.request("k", 1, 10).await.unwrap_err(),
+        l.request_n_at("k", 1, 10, 1, t0()).await.unwrap_err(),
+        l.peek("k", 1, 10).await.unwrap_err(),
+        l.give_back("k", 1, 10, 1).await.unwrap_err(),
+    ] {
+        assert!(
+            matches!(&err, PgLimitError::NotInstalled { schema } if schema == "nothing_here"),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("install()"), "{err}");
+    }
+    let w = PgWindowLimiter::connect(&pg.connection_string(), opts)
+        .await
+        .unwrap();
+    let err = w.check("login", "k").await.unwrap_err();
+    assert!(matches!(err, PgLimitError::NotInstalled { .. }), "{err:?}");
+    // Installed, the same calls work.
+    l.install().await.unwrap();
+    assert_eq!(l.request("k", 1, 10).await.unwrap(), 9);
+}
+
+/// An unparsable connection string is reported as such: nothing was connected, so nothing
+/// was lost.
+#[tokio::test]
+async fn an_invalid_connection_string_says_so() {
+    let err = PgKeyedLimiter::connect("host=x port=notaport", PgOptions::new())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, PgLimitError::InvalidConnectionString { .. }),
+        "{err:?}"
+    );
+    let text = err.to_string();
+    assert!(
+        text.contains("invalid PostgreSQL connection string"),
+        "{text}"
+    );
+    assert!(!text.contains("lost"), "{text}");
+    assert!(error_chain(&err).contains("port"), "{}", error_chain(&err));
+    let err = PgWindowLimiter::connect("postgresql://[", PgOptions::new())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, PgLimitError::InvalidConnectionString { .. }),
+        "{err:?}"
+    );
+}
+
+/// A server that refuses the connection: "could not connect", with the socket's reason among
+/// the causes; never "connection lost (the outcome is unknown)".
+#[tokio::test]
+async fn a_refused_connection_says_it_could_not_connect() {
+    // A port nobody listens on: bound, then released.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let config = format!("host=127.0.0.1 port={port} user=nobody connect_timeout=5");
+    let err = PgKeyedLimiter::connect(&config, PgOptions::new())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, PgLimitError::Connect { .. }), "{err:?}");
+    let text = err.to_string();
+    assert!(text.contains("could not connect"), "{text}");
+    assert!(
+        !text.contains("lost") && !text.contains("unknown"),
+        "{text}"
+    );
+    let chain = error_chain(&err);
+    assert!(chain.to_lowercase().contains("refused"), "{chain}");
+}
+
+/// A caller-given time outside `timestamptz` (4713 BC to 294276 AD) is refused before it
+/// reaches the driver, whose conversion would overflow (a panic with overflow checks) or wrap
+/// (a far-future time stored as the key's, so the key never refills again).
+#[tokio::test]
+async fn an_out_of_range_time_is_a_typed_error() {
+    let Some(pg) = cluster_or_skip("an_out_of_range_time_is_a_typed_error") else {
+        return;
+    };
+    let l = PgKeyedLimiter::connect(&pg.connection_string(), PgOptions::new())
+        .await
+        .unwrap();
+    l.install().await.unwrap();
+    let far = UNIX_EPOCH + Duration::from_secs(20_000_000_000_000);
+    // Inside the driver's 64-bit microseconds, but after 294276 AD.
+    let year_300000 = UNIX_EPOCH + Duration::from_secs(9_400_000_000_000);
+    let before_4713_bc = UNIX_EPOCH - Duration::from_secs(211_000_000_000);
+    for at in [far, year_300000, before_4713_bc] {
+        let err = l.request_n_at("k", 10, 10, 1, at).await.unwrap_err();
+        assert!(
+            matches!(err, PgLimitError::TimeOutOfRange { at: a } if a == at),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("timestamptz"), "{err}");
+        let err = l.peek_at("k", 10, 10, at).await.unwrap_err();
+        assert!(
+            matches!(err, PgLimitError::TimeOutOfRange { .. }),
+            "{err:?}"
+        );
+        let err = l.take("k", 10, 10, 1, true, Some(at)).await.unwrap_err();
+        assert!(
+            matches!(err, PgLimitError::TimeOutOfRange { .. }),
+            "{err:?}"
+        );
+    }
+    // Nothing was written: the key is new, and refills normally from t0.
+    assert_eq!(l.request_n_at("k", 10, 10, 100, t0()).await.unwrap(), 0);
+    assert_eq!(
+        l.request_n_at("k", 10, 10, 10, t0() + Duration::from_secs(1))
+            .await
+            .unwrap(),
+        0
+    );
+    let w = PgWindowLimiter::connect(&pg.connection_string(), PgOptions::new())
+        .await
+        .unwrap();
+    let err = w.check_at("login", "k", far).await.unwrap_err();
+    assert!(
+        matches!(err, PgLimitError::TimeOutOfRange { .. }),
+        "{err:?}"
+    );
+    let err = w.purge(10, Some(far)).await.unwrap_err();
+    assert!(
+        matches!(err, PgLimitError::TimeOutOfRange { .. }),
+        "{err:?}"
+    );
+}
+
+/// `purge(0)` names the purge's batch size, not a number of tokens.
+#[tokio::test]
+async fn purge_of_zero_rows_names_the_batch_size() {
+    let Some(pg) = cluster_or_skip("purge_of_zero_rows_names_the_batch_size") else {
+        return;
+    };
+    let w = PgWindowLimiter::connect(&pg.connection_string(), PgOptions::new())
+        .await
+        .unwrap();
+    for batch in [0, -5] {
+        let err = w.purge(batch, None).await.unwrap_err();
+        assert!(
+            matches!(err, PgLimitError::InvalidOption { name: "batch", .. }),
+            "{err:?}"
+        );
+        let text = err.to_string();
+        assert!(text.contains("purge batch size"), "{text}");
+        assert!(!text.contains("tokens"), "{text}");
+    }
 }
 
 /// A fast shutdown under load: calls in flight are told why (57P01 from the terminated

@@ -1,6 +1,6 @@
 //! Leased mode against a real throwaway PostgreSQL. Time is a shared `ManualClock` that
-//! drives both the local buckets and the database statements (`DbTime::Clock`), so nothing
-//! sleeps and every figure is deterministic up to task scheduling.
+//! drives both the local buckets and the database statements (`with_simulated_time`, feature
+//! `test-util`), so nothing sleeps and every figure is deterministic up to task scheduling.
 //!
 //! "Processes" here are independent limiter instances, each with its own connection and its
 //! own local buckets, in one test process: they share nothing but the database row, which is
@@ -11,7 +11,7 @@ mod common;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use common::pg::{cluster_or_skip, PgCluster};
-use iothrottle::pg::{DbTime, LeaseOptions, PgKeyedLimiter, PgLeasedLimiter, PgOptions};
+use iothrottle::pg::{LeaseOptions, PgKeyedLimiter, PgLeasedLimiter, PgOptions};
 use iothrottle::{ManualClock, PgLimitError};
 
 fn t0() -> SystemTime {
@@ -27,12 +27,12 @@ async fn leased(
     opts: LeaseOptions,
     clock: &ManualClock,
 ) -> PgLeasedLimiter<ManualClock> {
-    let l = PgLeasedLimiter::with_clock(
+    let l = PgLeasedLimiter::with_simulated_time(
         &pg.connection_string(),
         PgOptions::new(),
         opts,
         clock.clone(),
-        DbTime::Clock { origin: t0() },
+        t0(),
     )
     .await
     .expect("connect");
@@ -165,7 +165,9 @@ async fn postgres_restart_while_leases_are_out() {
     assert!(
         matches!(
             dry,
-            Err(PgLimitError::Connection { .. } | PgLimitError::Unavailable { .. })
+            Err(PgLimitError::Connection { .. }
+                | PgLimitError::Connect { .. }
+                | PgLimitError::Unavailable { .. })
         ),
         "{dry:?}"
     );
@@ -628,12 +630,12 @@ async fn leases_of_many_keys_share_one_statement() {
     let clock = ManualClock::new();
     let opts = LeaseOptions::new(10, 100, 50).unwrap().with_min_lease(50);
     let l = std::sync::Arc::new(
-        PgLeasedLimiter::with_clock(
+        PgLeasedLimiter::with_simulated_time(
             &pg.connection_string(),
             PgOptions::new().with_connections(1),
             opts,
             clock.clone(),
-            DbTime::Clock { origin: t0() },
+            t0(),
         )
         .await
         .unwrap(),
@@ -731,6 +733,7 @@ fn hammer(
                             Ok(false) => {}
                             Err(
                                 PgLimitError::Connection { .. }
+                                | PgLimitError::Connect { .. }
                                 | PgLimitError::Unavailable { .. }
                                 | PgLimitError::Db { .. },
                             ) => {

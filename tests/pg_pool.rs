@@ -138,10 +138,7 @@ async fn a_pool_with_the_server_down_is_not_hammered() {
     );
     // The next checkout fails (connection refused) and starts the back-off.
     let second = l.request_n_at("k", 1, 100, 1, t0()).await.unwrap_err();
-    assert!(
-        matches!(second, PgLimitError::Connection { .. }),
-        "{second:?}"
-    );
+    assert!(matches!(second, PgLimitError::Connect { .. }), "{second:?}");
     let connects = l.stats().connects;
     for _ in 0..20 {
         let e = l.request_n_at("k", 1, 100, 1, t0()).await.unwrap_err();
@@ -152,4 +149,33 @@ async fn a_pool_with_the_server_down_is_not_hammered() {
     }
     assert_eq!(l.stats().connects, connects);
     pg.start_again().unwrap();
+}
+
+/// A pool that cannot give the limiter its sessions is refused when the limiter is made:
+/// keys routed to a session the pool never opens would time out on every call.
+#[tokio::test]
+async fn a_pool_smaller_than_the_sessions_is_refused() {
+    let Some(pg) = cluster_or_skip("a_pool_smaller_than_the_sessions_is_refused") else {
+        return;
+    };
+    let err = PgKeyedLimiter::from_pool(pool(&pg, 2), PgOptions::new().with_connections(4))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            PgLimitError::InvalidOption {
+                name: "connections",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("max_size"), "{err}");
+    // As many sessions as the pool holds is fine.
+    let l = PgKeyedLimiter::from_pool(pool(&pg, 4), PgOptions::new().with_connections(4))
+        .await
+        .unwrap();
+    l.install().await.unwrap();
+    assert_eq!(l.request_n_at("k", 2, 60, 1, t0()).await.unwrap(), 119);
 }

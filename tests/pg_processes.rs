@@ -5,7 +5,7 @@
 //! and one after the last has exited, obey the bound: `rate × W + burst` in strict mode
 //! (exact), `rate × W + burst + N × max_lease` in leased mode. These tests assert the bound,
 //! never a timing; how close the total comes to `rate × W + burst` is measured by
-//! `examples/pg_load.rs --spawn N`.
+//! `benches/pg_load.rs --spawn N`.
 
 mod common;
 

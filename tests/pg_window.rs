@@ -186,7 +186,7 @@ async fn retention_deletes_old_rows_in_batches() {
     );
     assert!(matches!(
         l.purge(0, None).await,
-        Err(PgLimitError::InvalidCount { n: 0 })
+        Err(PgLimitError::InvalidOption { name: "batch", .. })
     ));
 }
 

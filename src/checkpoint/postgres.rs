@@ -93,6 +93,27 @@ pub struct PgCheckpoint {
     conn: Mutex<Option<(Client, Statement, Arc<SessionEnd>)>>,
 }
 
+/// The longest bucket name, in bytes.
+const MAX_NAME_BYTES: usize = 200;
+
+/// Checks a bucket name as the limiters check keys: not empty, at most
+/// [`MAX_NAME_BYTES`], no NUL (which `text` cannot store: the server would refuse every save).
+fn check_name(name: &str) -> Result<(), CheckpointError> {
+    let reason = if name.is_empty() {
+        "empty"
+    } else if name.len() > MAX_NAME_BYTES {
+        "longer than 200 bytes"
+    } else if name.contains('\0') {
+        "contains a NUL character, which PostgreSQL text cannot store"
+    } else {
+        return Ok(());
+    };
+    Err(CheckpointError::InvalidName {
+        name: name.into(),
+        reason,
+    })
+}
+
 impl PgCheckpoint {
     /// The table every `PgCheckpoint` uses.
     pub const TABLE: &'static str = "iothrottle_checkpoint";
@@ -104,9 +125,7 @@ impl PgCheckpoint {
             Config::from_str(connection_string).map_err(|e| CheckpointError::ConnectionString {
                 message: e.to_string(),
             })?;
-        if name.is_empty() || name.len() > 200 {
-            return Err(CheckpointError::InvalidName { name: name.into() });
-        }
+        check_name(name)?;
         if config.get_connect_timeout().is_none() {
             config.connect_timeout(Duration::from_secs(5));
         }

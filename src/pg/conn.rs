@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use tokio_postgres::{Client, Config, Statement};
 
 use super::retry::{classify, typed, with_retries, Class, RunError, Stats};
+use super::sql;
 use super::{Isolation, PgOptions};
 use crate::error::PgLimitError;
 use crate::sync::Arc;
@@ -248,6 +249,32 @@ impl Live {
     }
 }
 
+/// A failure to open a session that carries no SQLSTATE: [`PgLimitError::Tls`] when the
+/// TLS handshake failed, else [`PgLimitError::Connect`]. The driver's error kinds are
+/// private; its `Display` names the kind (`error performing TLS handshake: …`), without the
+/// cause's text.
+fn connect_failure(source: tokio_postgres::Error) -> PgLimitError {
+    if source
+        .to_string()
+        .starts_with("error performing TLS handshake")
+    {
+        PgLimitError::Tls { source }
+    } else {
+        PgLimitError::Connect { source }
+    }
+}
+
+/// A server error that says the limiter's tables, functions or schema are missing:
+/// `42P01` undefined table, `42883` undefined function, `3F000` invalid schema name.
+fn means_not_installed(e: &tokio_postgres::Error) -> bool {
+    use tokio_postgres::error::SqlState;
+    e.code().is_some_and(|c| {
+        *c == SqlState::UNDEFINED_TABLE
+            || *c == SqlState::UNDEFINED_FUNCTION
+            || *c == SqlState::INVALID_SCHEMA_NAME
+    })
+}
+
 /// A connection that is opened lazily and again after it was lost.
 #[derive(Debug)]
 pub(crate) struct Conn {
@@ -281,10 +308,9 @@ impl Conn {
     /// Parses `config`; connects on first use.
     pub(crate) fn lazy(config: &str, options: PgOptions) -> Result<Conn, PgLimitError> {
         options.validate()?;
-        let mut parsed: Config = config.parse().map_err(|e| PgLimitError::Connection {
-            source: e,
-            closed_by: None,
-        })?;
+        let mut parsed: Config = config
+            .parse()
+            .map_err(|source| PgLimitError::InvalidConnectionString { source })?;
         options.tls.apply(&mut parsed);
         Ok(Conn::new(Source::Config(Box::new(parsed)), options))
     }
@@ -357,13 +383,10 @@ impl Conn {
         };
         self.record_down(crate::error::pg_error_text(&e));
         // Without a SQLSTATE the server was not reached or refused at the transport level
-        // (socket, TLS handshake, a server without TLS under `require`): a connection error,
-        // whatever the driver's inner error type.
+        // (socket, TLS handshake, a server without TLS under `require`): no statement was
+        // sent, so this is a failure to connect, never a lost connection.
         if e.code().is_none() {
-            return Err(RunError::Typed(PgLimitError::Connection {
-                source: e,
-                closed_by: None,
-            }));
+            return Err(RunError::Typed(connect_failure(e)));
         }
         Err(e.into())
     }
@@ -398,16 +421,13 @@ impl Conn {
             Isolation::ReadCommitted => "read committed",
             Isolation::Serializable => "serializable",
         };
-        // plan_cache_mode: the limiter's statements have one good plan (a primary-key probe);
-        // left to `auto`, the server keeps re-planning the upsert for every call (custom
-        // plans), which costs about as much as running it.
         // synchronous_commit: `false` turns it off for this session; `true` makes sure it is
         // not off (the server, database or role may have it off), keeping a stronger
         // `remote_*` setting when there is one.
         let sync = if !self.options.synchronous_commit {
             "SET synchronous_commit TO off;"
         } else {
-            let row = client.query_one("SHOW synchronous_commit", &[]).await?;
+            let row = client.query_one(sql::SHOW_SYNCHRONOUS_COMMIT, &[]).await?;
             if row.get::<_, &str>(0) == "off" {
                 "SET synchronous_commit TO on;"
             } else {
@@ -415,10 +435,7 @@ impl Conn {
             }
         };
         client
-            .batch_execute(&format!(
-                "SET default_transaction_isolation TO '{iso}'; SET application_name TO 'iothrottle'; \
-                 SET plan_cache_mode TO force_generic_plan; {sync}"
-            ))
+            .batch_execute(&sql::session_settings(iso, sync))
             .await?;
         let live = Arc::new(Live::new(client, end));
         *self.live.lock().expect("connection slot") = Some(live.clone());
@@ -471,6 +488,11 @@ impl Conn {
                 if classify(&e) == Class::Connection {
                     self.drop_live();
                 }
+                if means_not_installed(&e) {
+                    return Err(PgLimitError::NotInstalled {
+                        schema: self.options.schema.clone(),
+                    });
+                }
                 Err(typed(e))
             }
             Err(RunError::Typed(e)) => {
@@ -481,6 +503,22 @@ impl Conn {
             }
         }
     }
+}
+
+/// Refuses a caller's pool that cannot give the limiter the sessions it keeps checked out:
+/// keys routed to a session the pool never opens would time out on every call.
+#[cfg(feature = "postgres-pool")]
+pub(crate) fn check_pool_size(
+    pool: &deadpool_postgres::Pool,
+    options: &PgOptions,
+) -> Result<(), PgLimitError> {
+    if pool.status().max_size < options.connections {
+        return Err(PgLimitError::InvalidOption {
+            name: "connections",
+            reason: "the pool's max_size is smaller than PgOptions::with_connections",
+        });
+    }
+    Ok(())
 }
 
 /// Several connections with key affinity while a key is busy: all calls of a key that are
@@ -559,6 +597,7 @@ impl Pool {
         options: PgOptions,
     ) -> Result<Pool, PgLimitError> {
         let first = Conn::pooled(pool.clone(), options.clone())?;
+        check_pool_size(&pool, &options)?;
         first.live().await?;
         let mut conns = vec![first];
         for _ in 1..options.connections {

@@ -1,100 +1,13 @@
-//! Strict mode: one statement, one round trip, per call.
-//!
-//! The row keeps `micro` = tokens × 10^6 at time `ts`. A rate of `r` tokens per second adds
-//! exactly `r` micro-tokens per microsecond, the resolution of `timestamptz`, so refill is
-//! exact integer arithmetic: a busy key never loses its refill to rounding (the classic
-//! function's defect), and a drained key called every 0.3 s gets its 0.6 tokens per call.
-//!
-//! Every call is a single `INSERT … ON CONFLICT (id) DO UPDATE … RETURNING`:
-//! - no first-call race: two first calls for a new key cannot both insert;
-//! - **one clock per statement**: the time is `clock_timestamp()` read *once*, in the
-//!   `VALUES` row, and the update uses that same value through `excluded.ts`. `now()` would be
-//!   the transaction start, which under a long transaction lags the commit order; a statement
-//!   that read its clock before another committed a later `ts` refills nothing (never
-//!   negative), and `ts` only moves forward (`greatest(ts, excluded.ts)`).
+//! Strict mode ([`PgKeyedLimiter`]): one statement, one round trip, per call.
 
 use std::time::SystemTime;
 
 use super::conn::Pool;
 use super::retry::PgStats;
 use super::schema::{self, Schema};
-use super::{check_classic, check_count, check_key, PgOptions, MICRO};
+use super::sql;
+use super::{check_classic, check_count, check_key, check_opt_time, PgOptions, MICRO};
 use crate::error::PgLimitError;
-
-/// The upsert, with its inputs as SQL expressions: `id` key, `rate` tokens per second,
-/// `cap` capacity in micro-tokens, `n` tokens wanted, `partial` ("up to `n`"), `at` the time
-/// (NULL: the server's `clock_timestamp()`, read once in the `VALUES` row).
-///
-/// The refill and the grant are written out inline rather than calling the installed
-/// `refilled`/`take` SQL functions: the planner does not inline a function whose argument
-/// is used twice and is itself a function call, and the calls cost about a third of the
-/// statement's time.
-pub(crate) fn take_sql(
-    id: &str,
-    rate: &str,
-    cap: &str,
-    n: &str,
-    partial: &str,
-    at: &str,
-) -> String {
-    let avail = format!(
-        "least({cap}, b.micro + least(greatest((extract(epoch FROM excluded.ts - b.ts) * 1000000)::bigint, 0), \
-         {cap} / {rate} + 1) * {rate})"
-    );
-    let take = |avail: &str| {
-        format!(
-            "(CASE WHEN {partial} THEN least({n}, ({avail}) / 1000000) \
-             WHEN ({avail}) >= {n} * 1000000 THEN {n} ELSE 0 END)"
-        )
-    };
-    let first = take(cap);
-    let granted = take(&avail);
-    format!(
-        "INSERT INTO {{s}}.token_bucket AS b (id, micro, ts, granted)\n\
-         VALUES ({id}, {cap} - {first} * 1000000, coalesce({at}, clock_timestamp()), {first})\n\
-         ON CONFLICT (id) DO UPDATE SET\n\
-         micro = {avail} - {granted} * 1000000,\n\
-         ts = greatest(b.ts, excluded.ts),\n\
-         granted = {granted}\n\
-         RETURNING b.micro, b.granted, b.ts"
-    )
-}
-
-/// [`take_sql`] for a prepared statement: `$1` key, `$2` rate, `$3` capacity, `$4` tokens,
-/// and `$5` the time when `at` (else the server's clock). `partial` is a literal, so the
-/// planner folds the `CASE` away and each of the four statements is as small as the classic
-/// function's.
-fn take_statement(partial: bool, at: bool) -> String {
-    take_sql(
-        "$1::text",
-        "$2::bigint",
-        "$3::bigint",
-        "$4::bigint",
-        if partial { "true" } else { "false" },
-        if at {
-            "$5::timestamptz"
-        } else {
-            "NULL::timestamptz"
-        },
-    )
-}
-
-/// Read-only: `$1` key, `$2` rate, `$3` capacity, `$4` time.
-const PEEK_SQL: &str = r#"
-SELECT {s}.refilled(b.micro, b.ts, coalesce($4::timestamptz, clock_timestamp()), $2::bigint, $3::bigint)
-FROM {s}.token_bucket b WHERE b.id = $1::text
-"#;
-
-/// Gives back `$4` tokens: `$1` key, `$2` rate, `$3` capacity, `$5` time.
-pub(crate) const GIVE_BACK_SQL: &str = r#"
-UPDATE {s}.token_bucket AS b SET
-    micro = least($3::bigint, {s}.refilled(b.micro, b.ts, c.now, $2::bigint, $3::bigint)
-                              + $4::bigint * 1000000),
-    ts = greatest(b.ts, c.now),
-    granted = 0
-FROM (SELECT coalesce($5::timestamptz, clock_timestamp()) AS now) c
-WHERE b.id = $1::text
-"#;
 
 /// What one statement did to a bucket.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -116,6 +29,19 @@ impl Grant {
 
 /// Strict mode: every call is one round trip running one upsert on the key's row.
 ///
+/// The row keeps `micro` = tokens × 10^6 at time `ts`. A rate of `r` tokens per second adds
+/// exactly `r` micro-tokens per microsecond, the resolution of `timestamptz`, so refill is
+/// exact integer arithmetic: a busy key never loses its refill to rounding (as the classic
+/// function's integer count does), and a drained key called every 0.3 s gets its 0.6 tokens per call.
+///
+/// Every call is a single `INSERT … ON CONFLICT (id) DO UPDATE … RETURNING`:
+/// - no first-call race: two first calls for a new key cannot both insert;
+/// - **one clock per statement**: the time is `clock_timestamp()` read *once*, in the
+///   `VALUES` row, and the update uses that same value through `excluded.ts`. `now()` would be
+///   the transaction start, which under a long transaction lags the commit order; a statement
+///   that read its clock before another committed a later `ts` refills nothing (never
+///   negative), and `ts` only moves forward (`greatest(ts, excluded.ts)`).
+///
 /// Compatible with the classic `rate_limiting_request(id, refill_per_sec, window_seconds)`:
 /// a new key starts with `window_seconds × refill_per_sec` tokens, refills at
 /// `refill_per_sec`, never holds more than the window's worth; a call returns the whole
@@ -125,8 +51,8 @@ impl Grant {
 ///
 /// One limiter holds [`PgOptions::with_connections`] server sessions (default 4), opened on
 /// first use; a key always uses the same one (statements from concurrent tasks are pipelined
-/// on it), different keys run in parallel on the server. A lost connection makes the call in flight
-/// fail with [`PgLimitError::Connection`] (it may or may not have taken its token) and the
+/// on it), different keys run in parallel on the server. A lost connection makes the call in
+/// flight fail with [`PgLimitError::Connection`] (it may or may not have taken its token) and the
 /// next call reconnects.
 #[derive(Debug)]
 pub struct PgKeyedLimiter {
@@ -171,13 +97,13 @@ impl PgKeyedLimiter {
     fn with_sessions(pool: Pool, schema: Schema) -> Self {
         PgKeyedLimiter {
             take_sql: [
-                schema.sql(&take_statement(false, false)),
-                schema.sql(&take_statement(false, true)),
-                schema.sql(&take_statement(true, false)),
-                schema.sql(&take_statement(true, true)),
+                schema.sql(&sql::take_statement(false, false)),
+                schema.sql(&sql::take_statement(false, true)),
+                schema.sql(&sql::take_statement(true, false)),
+                schema.sql(&sql::take_statement(true, true)),
             ],
-            peek_sql: schema.sql(PEEK_SQL),
-            give_back_sql: schema.sql(GIVE_BACK_SQL),
+            peek_sql: schema.sql(sql::PEEK),
+            give_back_sql: schema.sql(sql::GIVE_BACK),
             pool,
             schema,
         }
@@ -193,13 +119,13 @@ impl PgKeyedLimiter {
         &self.pool
     }
 
-    /// Creates or upgrades the tables in the limiter's schema ([`schema::install`]).
+    /// Creates or upgrades the tables in the limiter's schema ([`install`](super::install)).
     pub async fn install(&self) -> Result<(), PgLimitError> {
         let live = self.pool.first().live().await?;
         schema::install(&live.client, &self.schema).await
     }
 
-    /// Installs the classic SQL function ([`schema::install_classic_function`]).
+    /// Installs the classic SQL function ([`install_classic_function`](super::install_classic_function)).
     pub async fn install_classic_function(&self) -> Result<(), PgLimitError> {
         let live = self.pool.first().live().await?;
         schema::install_classic_function(&live.client, &self.schema).await
@@ -279,6 +205,7 @@ impl PgKeyedLimiter {
     ) -> Result<i64, PgLimitError> {
         check_key(id)?;
         let cap = check_classic(refill_per_sec.into(), window_seconds.into())?;
+        check_opt_time(at)?;
         let rate = i64::from(refill_per_sec);
         let sql = self.peek_sql.as_str();
         let micro: Option<i64> = self
@@ -322,6 +249,7 @@ impl PgKeyedLimiter {
     ) -> Result<Grant, PgLimitError> {
         check_key(id)?;
         check_count(n)?;
+        check_opt_time(at)?;
         let sql = self.take_sql[usize::from(partial) * 2 + usize::from(at.is_some())].as_str();
         self.pool
             .for_key(id)
@@ -373,6 +301,7 @@ impl PgKeyedLimiter {
     ) -> Result<(), PgLimitError> {
         check_key(id)?;
         check_count(n)?;
+        check_opt_time(at)?;
         let sql = self.give_back_sql.as_str();
         self.pool
             .for_key(id)
@@ -394,7 +323,7 @@ impl PgKeyedLimiter {
             .run(|live| async move {
                 let row = live
                     .client
-                    .query_one("SELECT current_setting($1)", &[&name])
+                    .query_one(sql::CURRENT_SETTING, &[&name])
                     .await?;
                 Ok(row.get(0))
             })

@@ -22,16 +22,16 @@
 
 mod conn;
 pub(crate) use conn::SessionEnd;
-pub mod keyed;
-pub mod leased;
-pub mod reference;
+mod keyed;
+mod leased;
 mod retry;
 mod schema;
+mod sql;
 pub(crate) mod tls;
-pub mod window;
+mod window;
 
 pub use keyed::{Grant, PgKeyedLimiter};
-pub use leased::{DbTime, LeaseOptions, LeaseStats, LeasedKey, PgLeasedLimiter};
+pub use leased::{LeaseOptions, LeaseStats, LeasedKey, PgLeasedLimiter};
 pub use retry::{PgStats, RetryPolicy};
 pub use schema::{install, install_classic_function, installed_version, Schema, SCHEMA_VERSION};
 pub use window::{Decision, PgWindowLimiter, Zone};
@@ -42,6 +42,8 @@ pub use window::{Decision, PgWindowLimiter, Zone};
 #[cfg(feature = "postgres-tls")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres-tls")))]
 pub use rustls;
+
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::error::PgLimitError;
 
@@ -147,8 +149,8 @@ impl PgOptions {
     /// Server sessions per strict or leased limiter (default 4; 1 to
     /// [`MAX_CONNECTIONS`]): each key always uses the same one, so different keys' statements
     /// and their commits run in parallel. Opened on first use (the first one at connect).
-    /// Values outside the range are refused at connect with
-    /// [`InvalidOption`](PgLimitError::InvalidOption).
+    /// Values outside the range, and (with `from_pool`) a pool whose `max_size` is smaller,
+    /// are refused at construction with [`InvalidOption`](PgLimitError::InvalidOption).
     pub fn with_connections(mut self, n: usize) -> Self {
         self.connections = n;
         self
@@ -168,7 +170,7 @@ impl PgOptions {
     /// `require`: a server that declines TLS is a connection error, never a plaintext
     /// session; `sslmode=disable` in the connection string still turns TLS off. A certificate
     /// the configuration does not trust fails the connect with
-    /// [`Connection`](PgLimitError::Connection), whose text names the handshake failure
+    /// [`Tls`](PgLimitError::Tls), whose causes name the handshake failure
     /// (`error performing TLS handshake: invalid peer certificate: UnknownIssuer`).
     ///
     /// Without this option connections use no TLS. (`PgOptions` equality compares the TLS
@@ -275,6 +277,33 @@ pub(crate) fn check_classic(refill_per_sec: i64, window_seconds: i64) -> Result<
     )
 }
 
+/// PostgreSQL's `timestamptz` range in microseconds since 2000-01-01 UTC: `[MIN, END)`
+/// (4713 BC to 294276 AD; the server's `MIN_TIMESTAMP` and `END_TIMESTAMP`).
+const PG_MIN_MICROS: i128 = -211_813_488_000_000_000;
+const PG_END_MICROS: i128 = 9_223_371_331_200_000_000;
+/// 2000-01-01 UTC in seconds since the Unix epoch.
+const PG_EPOCH_UNIX_SECS: i128 = 946_684_800;
+
+/// Checks that `at` is a `timestamptz` the server accepts, so that the driver's conversion
+/// (which does not check) neither overflows nor wraps.
+pub(crate) fn check_time(at: SystemTime) -> Result<(), PgLimitError> {
+    let unix_micros = match at.duration_since(UNIX_EPOCH) {
+        Ok(d) => d.as_micros() as i128,
+        Err(e) => -(e.duration().as_micros() as i128),
+    };
+    let micros = unix_micros - PG_EPOCH_UNIX_SECS * 1_000_000;
+    if (PG_MIN_MICROS..PG_END_MICROS).contains(&micros) {
+        Ok(())
+    } else {
+        Err(PgLimitError::TimeOutOfRange { at })
+    }
+}
+
+/// [`check_time`] for an optional time (`None`: the server's clock).
+pub(crate) fn check_opt_time(at: Option<SystemTime>) -> Result<(), PgLimitError> {
+    at.map_or(Ok(()), check_time)
+}
+
 pub(crate) fn check_count(n: i64) -> Result<(), PgLimitError> {
     if n <= 0 {
         return Err(PgLimitError::InvalidCount { n });
@@ -335,5 +364,26 @@ mod tests {
             check_bucket(5, 0),
             Err(PgLimitError::InvalidBurst { burst: 0 })
         ));
+    }
+
+    #[test]
+    fn times_outside_timestamptz_are_refused() {
+        use std::time::Duration;
+        let far = UNIX_EPOCH + Duration::from_secs(20_000_000_000_000);
+        assert!(matches!(
+            check_time(far),
+            Err(PgLimitError::TimeOutOfRange { at }) if at == far
+        ));
+        // 294276-12-31 23:59:59 UTC is the last second the server accepts; a second later
+        // is out.
+        let last = UNIX_EPOCH + Duration::from_secs(9_224_318_015_999);
+        assert!(check_time(last).is_ok());
+        assert!(check_time(last + Duration::from_secs(1)).is_err());
+        // 4713-11-24 BC 00:00:00 UTC (Julian day 0) is the first.
+        let first = UNIX_EPOCH - Duration::from_secs(210_866_803_200);
+        assert!(check_time(first).is_ok());
+        assert!(check_time(first - Duration::from_micros(1)).is_err());
+        assert!(check_time(UNIX_EPOCH).is_ok());
+        assert!(check_opt_time(None).is_ok());
     }
 }

@@ -11,9 +11,8 @@
 
 use tokio_postgres::Client;
 
-use super::keyed::take_sql;
 use super::retry::typed;
-use super::{MAX_CAPACITY, MAX_KEY_BYTES};
+use super::sql;
 use crate::error::PgLimitError;
 
 /// The schema version this crate installs.
@@ -65,7 +64,7 @@ impl Schema {
     /// `sql` with every `{s}` replaced by the quoted schema name, e.g.
     /// `"SELECT {s}.rate_limiting_request($1)"`. The only way a name reaches SQL text.
     pub fn sql(&self, sql: &str) -> String {
-        sql.replace("{s}", &self.quoted())
+        sql::fill(sql, &self.quoted())
     }
 }
 
@@ -88,143 +87,6 @@ pub(crate) fn check_ident(name: &str) -> Result<(), &'static str> {
     Ok(())
 }
 
-/// Migration `i` takes the schema from version `i` to `i + 1`. Each is idempotent.
-const MIGRATIONS: &[&str] = &[
-    // 0 -> 1
-    r#"
-CREATE TABLE IF NOT EXISTS {s}.token_bucket (
-    id      text PRIMARY KEY CHECK (octet_length(id) BETWEEN 1 AND {max_key}),
-    micro   bigint NOT NULL CHECK (micro >= 0),
-    ts      timestamptz NOT NULL,
-    granted bigint NOT NULL
-);
-COMMENT ON TABLE {s}.token_bucket IS
-    'iothrottle token buckets: micro = tokens x 10^6 at ts; granted = tokens given by the last statement';
-CREATE TABLE IF NOT EXISTS {s}.window_zone (
-    id             text PRIMARY KEY CHECK (octet_length(id) BETWEEN 1 AND 63),
-    description    text NOT NULL DEFAULT '',
-    rate           integer NOT NULL CHECK (rate > 0),
-    window_seconds integer NOT NULL CHECK (window_seconds > 0)
-);
-CREATE TABLE IF NOT EXISTS {s}.window_key (
-    zone text NOT NULL REFERENCES {s}.window_zone (id) ON DELETE CASCADE,
-    key  text NOT NULL CHECK (octet_length(key) BETWEEN 1 AND {max_key}),
-    PRIMARY KEY (zone, key)
-);
-CREATE TABLE IF NOT EXISTS {s}.window_log (
-    id         bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    zone       text NOT NULL,
-    key        text NOT NULL,
-    blocked    boolean NOT NULL,
-    created_at timestamptz NOT NULL
-);
-CREATE INDEX IF NOT EXISTS window_log_allowed ON {s}.window_log (zone, key, created_at)
-    WHERE NOT blocked;
-CREATE INDEX IF NOT EXISTS window_log_created ON {s}.window_log (created_at);
-"#,
-];
-
-/// Functions, replaced on every install.
-const FUNCTIONS: &str = r#"
--- Micro-tokens in a bucket that held `micro` at `ts`, refilled at `rate` tokens per second
--- (= micro-tokens per microsecond) up to `now`, capped at `cap`. A `now` before `ts` (a
--- statement whose clock was read before another committed) refills nothing.
-CREATE OR REPLACE FUNCTION {s}.refilled(micro bigint, ts timestamptz, now timestamptz,
-                                        rate bigint, cap bigint)
-RETURNS bigint LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $f$
-    SELECT least(cap, micro + least(greatest((extract(epoch FROM now - ts) * 1000000)::bigint, 0),
-                                   cap / rate + 1) * rate)
-$f$;
--- Tokens granted from `avail` micro-tokens: all `n` or nothing, or (partial) up to `n`.
-CREATE OR REPLACE FUNCTION {s}.take(avail bigint, n bigint, partial boolean)
-RETURNS bigint LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $f$
-    SELECT CASE WHEN partial THEN least(n, avail / 1000000)
-                WHEN avail >= n * 1000000 THEN n
-                ELSE 0 END
-$f$;
--- The sliding-window check: lock the key's row, count the allowed attempts in the window,
--- log this attempt. One round trip.
-CREATE OR REPLACE FUNCTION {s}.window_check(p_zone text, p_key text, p_at timestamptz,
-    OUT blocked boolean, OUT attempt_id bigint, OUT rate integer, OUT window_seconds integer)
-LANGUAGE plpgsql AS $f$
-DECLARE
-    t timestamptz;
-    used bigint;
-BEGIN
-    SELECT z.rate, z.window_seconds INTO rate, window_seconds
-        FROM {s}.window_zone z WHERE z.id = p_zone;
-    IF NOT FOUND THEN
-        RAISE EXCEPTION 'no sliding-window zone %', p_zone USING ERRCODE = 'P0002';
-    END IF;
-    -- Takes (or creates) the key's row lock; held until commit, so checks of one key are
-    -- serialised and each counts the attempts of the previous one.
-    INSERT INTO {s}.window_key AS k (zone, key) VALUES (p_zone, p_key)
-        ON CONFLICT (zone, key) DO UPDATE SET key = k.key;
-    -- The clock is read after the lock: attempts of one key are logged in lock order.
-    t := coalesce(p_at, clock_timestamp());
-    SELECT count(*) INTO used FROM {s}.window_log l
-        WHERE l.zone = p_zone AND l.key = p_key AND NOT l.blocked
-          AND l.created_at > t - make_interval(secs => window_seconds);
-    blocked := used >= rate;
-    INSERT INTO {s}.window_log (zone, key, blocked, created_at)
-        VALUES (p_zone, p_key, blocked, t) RETURNING id INTO attempt_id;
-END
-$f$;
-"#;
-
-/// The classic `rate_limiting_request(text, int, int) returns int`, on this crate's table.
-const CLASSIC_FUNCTION: &str = r#"
-CREATE OR REPLACE FUNCTION {s}.rate_limiting_request(rate_id text, refill_per_sec integer DEFAULT 2,
-                                                     window_seconds integer DEFAULT 60)
-RETURNS integer LANGUAGE plpgsql AS $f$
-DECLARE
-    cap bigint;
-    left_micro bigint;
-    got bigint;
-    t_at timestamptz;
-BEGIN
-    IF rate_id IS NULL OR octet_length(rate_id) NOT BETWEEN 1 AND {max_key} THEN
-        RAISE EXCEPTION 'rate_id must be 1 to {max_key} bytes' USING ERRCODE = '22023';
-    END IF;
-    IF refill_per_sec IS NULL OR refill_per_sec < 1 THEN
-        RAISE EXCEPTION 'refill_per_sec must be at least 1' USING ERRCODE = '22023';
-    END IF;
-    IF window_seconds IS NULL OR window_seconds < 1 THEN
-        RAISE EXCEPTION 'window_seconds must be at least 1' USING ERRCODE = '22023';
-    END IF;
-    -- Like the Rust API (MAX_CAPACITY): the micro-token arithmetic stays inside bigint for
-    -- every later call, however long the key was idle.
-    IF window_seconds::bigint * refill_per_sec > {max_capacity} THEN
-        RAISE EXCEPTION 'window_seconds x refill_per_sec = % tokens is above the maximum of {max_capacity}',
-            window_seconds::bigint * refill_per_sec USING ERRCODE = '22023';
-    END IF;
-    cap := window_seconds::bigint * refill_per_sec * 1000000;
-    {take_statement}
-    INTO left_micro, got, t_at;
-    IF got = 1 THEN
-        RETURN least(left_micro / 1000000, 2147483647)::integer;
-    END IF;
-    RETURN -1;
-END
-$f$;
-"#;
-
-fn render(schema: &Schema, sql: &str) -> String {
-    let classic_take = take_sql(
-        "rate_id",
-        "refill_per_sec::bigint",
-        "cap",
-        "1::bigint",
-        "false",
-        "NULL::timestamptz",
-    );
-    schema.sql(
-        &sql.replace("{take_statement}", &classic_take)
-            .replace("{max_key}", &MAX_KEY_BYTES.to_string())
-            .replace("{max_capacity}", &MAX_CAPACITY.to_string()),
-    )
-}
-
 /// The installed schema version, or `None` when nothing is installed in `schema`.
 pub async fn installed_version(
     client: &Client,
@@ -232,14 +94,14 @@ pub async fn installed_version(
 ) -> Result<Option<i32>, PgLimitError> {
     let meta = format!("{}.meta", schema.quoted());
     let row = client
-        .query_one("SELECT to_regclass($1) IS NOT NULL", &[&meta])
+        .query_one(sql::META_EXISTS, &[&meta])
         .await
         .map_err(typed)?;
     if !row.get::<_, bool>(0) {
         return Ok(None);
     }
     let row = client
-        .query_opt(&schema.sql("SELECT version FROM {s}.meta"), &[])
+        .query_opt(&schema.sql(sql::META_VERSION), &[])
         .await
         .map_err(typed)?;
     Ok(row.map(|r| r.get(0)))
@@ -258,32 +120,10 @@ pub async fn install(client: &Client, schema: &Schema) -> Result<(), PgLimitErro
             supported: SCHEMA_VERSION,
         });
     }
-    // All migrations are idempotent, so running them all under the lock is correct even if
-    // another process installed between our read and the lock.
-    let mut sql = String::from("BEGIN;\n");
-    // The schema name is a checked identifier, so it is safe inside a string literal too.
-    sql.push_str(&format!(
-        "SELECT pg_advisory_xact_lock(1769895028, hashtext('{}'));\n",
-        schema.name()
-    ));
-    sql.push_str("CREATE SCHEMA IF NOT EXISTS {s};\n");
-    sql.push_str(
-        "CREATE TABLE IF NOT EXISTS {s}.meta (one boolean PRIMARY KEY DEFAULT true CHECK (one), \
-         version integer NOT NULL);\n",
-    );
-    for m in MIGRATIONS {
-        sql.push_str(m);
-    }
-    sql.push_str(FUNCTIONS);
-    sql.push_str(&format!(
-        "INSERT INTO {{s}}.meta (one, version) VALUES (true, {SCHEMA_VERSION}) \
-         ON CONFLICT (one) DO UPDATE SET version = greatest({{s}}.meta.version, excluded.version);\n"
-    ));
-    sql.push_str("COMMIT;\n");
-    let sql = render(schema, &sql);
+    let sql = schema.sql(&sql::install_script(schema.name(), SCHEMA_VERSION));
     if let Err(e) = client.batch_execute(&sql).await {
         // Leave the session usable if the failure happened inside the transaction.
-        let _ = client.batch_execute("ROLLBACK").await;
+        let _ = client.batch_execute(sql::ROLLBACK).await;
         return Err(typed(e));
     }
     Ok(())
@@ -303,7 +143,7 @@ pub async fn install_classic_function(
         });
     }
     client
-        .batch_execute(&render(schema, CLASSIC_FUNCTION))
+        .batch_execute(&schema.sql(&sql::classic_function()))
         .await
         .map_err(typed)
 }
@@ -333,7 +173,7 @@ mod tests {
     fn rendering_quotes_the_schema() {
         let s = Schema::new("lim").unwrap();
         assert_eq!(s.sql("SELECT * FROM {s}.t"), "SELECT * FROM \"lim\".t");
-        assert!(!render(&s, MIGRATIONS[0]).contains('{'));
-        assert!(!render(&s, CLASSIC_FUNCTION).contains("{s}"));
+        assert!(!s.sql(&sql::install_script(s.name(), 1)).contains('{'));
+        assert!(!s.sql(&sql::classic_function()).contains("{s}"));
     }
 }

@@ -1,18 +1,4 @@
-//! The sliding-window log: every attempt recorded, an exact moving window.
-//!
-//! A *zone* is a use case (`login`: 5 allowed attempts per 60 s). A check, in one round trip
-//! (the installed function `window_check`):
-//! 1. locks the key's row in `window_key` (creating it), so checks of one key are serialised;
-//! 2. reads the clock (after the lock, so attempts of one key are logged in lock order);
-//! 3. counts the key's *allowed* attempts with `created_at` in `(now - window, now]`;
-//! 4. logs this attempt, blocked when that count has reached the zone's rate.
-//!
-//! The window is exact: an attempt is allowed if and only if fewer than `rate` allowed
-//! attempts were logged in the `window` before it. Blocked attempts are logged (for audit)
-//! but do not count against the limit.
-//!
-//! Old log rows are deleted by [`PgWindowLimiter::purge`] in batches, off the hot path (a
-//! check never deletes); [`PgWindowLimiter::spawn_retention`] runs it periodically.
+//! The sliding-window log ([`PgWindowLimiter`]).
 
 use std::time::{Duration, SystemTime};
 
@@ -21,36 +7,10 @@ use tokio_postgres::error::SqlState;
 use super::conn::Conn;
 use super::retry::{PgStats, RunError};
 use super::schema::{self, Schema};
-use super::{check_key, PgOptions};
+use super::sql;
+use super::{check_key, check_opt_time, PgOptions};
 use crate::error::PgLimitError;
 use crate::sync::Arc;
-
-const CHECK_SQL: &str =
-    "SELECT blocked, attempt_id, rate, window_seconds FROM {s}.window_check($1::text, $2::text, $3::timestamptz)";
-
-const ZONE_SQL: &str = r#"
-INSERT INTO {s}.window_zone (id, description, rate, window_seconds) VALUES ($1, $2, $3, $4)
-ON CONFLICT (id) DO UPDATE SET description = excluded.description, rate = excluded.rate,
-    window_seconds = excluded.window_seconds
-"#;
-
-/// Deletes up to `$1` log rows older than their zone's window (or of deleted zones) at `$2`.
-const PURGE_LOG_SQL: &str = r#"
-DELETE FROM {s}.window_log WHERE id IN (
-    SELECT l.id FROM {s}.window_log l LEFT JOIN {s}.window_zone z ON z.id = l.zone
-    WHERE z.id IS NULL
-       OR l.created_at <= coalesce($2::timestamptz, clock_timestamp())
-                          - make_interval(secs => z.window_seconds)
-    LIMIT $1::bigint)
-"#;
-
-/// Deletes up to `$1` key rows that have no log rows left and are not locked by a check.
-const PURGE_KEYS_SQL: &str = r#"
-DELETE FROM {s}.window_key WHERE ctid IN (
-    SELECT k.ctid FROM {s}.window_key k
-    WHERE NOT EXISTS (SELECT 1 FROM {s}.window_log l WHERE l.zone = k.zone AND l.key = k.key)
-    LIMIT $1::bigint FOR UPDATE SKIP LOCKED)
-"#;
 
 /// A use case of the sliding-window limiter.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -117,7 +77,21 @@ pub struct Decision {
     pub window: Duration,
 }
 
-/// The sliding-window log limiter. One connection; see the [module docs](self).
+/// The sliding-window log limiter, on one connection.
+///
+/// A *zone* is a use case (`login`: 5 allowed attempts per 60 s). A check, in one round trip
+/// (the installed function `window_check`):
+/// 1. locks the key's row in `window_key` (creating it), so checks of one key are serialised;
+/// 2. reads the clock (after the lock, so attempts of one key are logged in lock order);
+/// 3. counts the key's *allowed* attempts with `created_at` in `(now - window, now]`;
+/// 4. logs this attempt, blocked when that count has reached the zone's rate.
+///
+/// The window is exact: an attempt is allowed if and only if fewer than `rate` allowed
+/// attempts were logged in the `window` before it. Blocked attempts are logged (for audit)
+/// but do not count against the limit.
+///
+/// Old log rows are deleted by [`purge`](Self::purge) in batches, off the hot path (a
+/// check never deletes); [`spawn_retention`](Self::spawn_retention) runs it periodically.
 #[derive(Debug)]
 pub struct PgWindowLimiter {
     conn: Conn,
@@ -154,16 +128,16 @@ impl PgWindowLimiter {
 
     fn with_conn(conn: Conn, schema: Schema) -> Self {
         PgWindowLimiter {
-            check_sql: schema.sql(CHECK_SQL),
-            zone_sql: schema.sql(ZONE_SQL),
-            purge_log_sql: schema.sql(PURGE_LOG_SQL),
-            purge_keys_sql: schema.sql(PURGE_KEYS_SQL),
+            check_sql: schema.sql(sql::WINDOW_CHECK),
+            zone_sql: schema.sql(sql::WINDOW_ZONE),
+            purge_log_sql: schema.sql(sql::WINDOW_PURGE_LOG),
+            purge_keys_sql: schema.sql(sql::WINDOW_PURGE_KEYS),
             conn,
             schema,
         }
     }
 
-    /// Creates or upgrades the tables ([`schema::install`]).
+    /// Creates or upgrades the tables ([`install`](super::install)).
     pub async fn install(&self) -> Result<(), PgLimitError> {
         let live = self.conn.live().await?;
         schema::install(&live.client, &self.schema).await
@@ -216,6 +190,7 @@ impl PgWindowLimiter {
     ) -> Result<Decision, PgLimitError> {
         check_zone_id(zone)?;
         check_key(key)?;
+        check_opt_time(at)?;
         let sql = self.check_sql.as_str();
         self.conn
             .run(|live| async move {
@@ -247,8 +222,12 @@ impl PgWindowLimiter {
     /// up), then key rows left without log rows. Returns the log rows deleted.
     pub async fn purge(&self, batch: i64, at: Option<SystemTime>) -> Result<u64, PgLimitError> {
         if batch <= 0 {
-            return Err(PgLimitError::InvalidCount { n: batch });
+            return Err(PgLimitError::InvalidOption {
+                name: "batch",
+                reason: "the purge batch size (log rows deleted per statement) must be at least 1",
+            });
         }
+        check_opt_time(at)?;
         let mut total = 0;
         loop {
             let sql = self.purge_log_sql.as_str();

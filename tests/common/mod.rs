@@ -3,3 +3,5 @@
 
 pub mod disk;
 pub mod pg;
+#[cfg(feature = "postgres")]
+pub mod pg_reference;

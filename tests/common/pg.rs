@@ -340,3 +340,16 @@ impl Drop for PgCluster {
         self.stop();
     }
 }
+
+/// An error's message followed by every cause's, joined by `": "` (what `anyhow` prints with
+/// `{:#}`): the driver's and the TLS library's reasons are causes, not part of `Display`.
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cause = c.source();
+    }
+    s
+}

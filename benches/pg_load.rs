@@ -1,5 +1,6 @@
-//! The classic load test of the SQL token bucket, for strict mode, leased mode and the
-//! reference function: N workers on one id or on N distinct ids, READ COMMITTED or
+//! A load generator for the PostgreSQL limiters (a benchmark harness, `harness = false`):
+//! the classic load test of the SQL token bucket, for strict mode, leased mode and the
+//! reference function (`tests/common/pg_reference.rs`): N workers on one id or on N distinct ids, READ COMMITTED or
 //! SERIALIZABLE, retries with back-off; prints the achieved rate, the share of calls that got
 //! a token and the largest retry count.
 //!
@@ -10,7 +11,7 @@
 //! sudo -u postgres /usr/lib/postgresql/15/bin/initdb -D /tmp/pgload -A trust -U postgres
 //! sudo -u postgres /usr/lib/postgresql/15/bin/postgres -D /tmp/pgload -p 5439 \
 //!     -c listen_addresses=127.0.0.1 -k /tmp &
-//! cargo run --release --features postgres --example pg_load -- \
+//! cargo bench --features postgres --bench pg_load -- \
 //!     --url 'host=127.0.0.1 port=5439 user=postgres' --mode all --workers 8 --seconds 5
 //! ```
 //!
@@ -57,10 +58,13 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static ALLOC: Counting = Counting;
 
+/// The classic function as published, for comparison (shared with the tests).
+#[path = "../tests/common/pg_reference.rs"]
+mod pg_reference;
+
 use clap::{Parser, ValueEnum};
 use iothrottle::pg::{
-    reference, Isolation, LeaseOptions, PgKeyedLimiter, PgLeasedLimiter, PgOptions, RetryPolicy,
-    Schema,
+    Isolation, LeaseOptions, PgKeyedLimiter, PgLeasedLimiter, PgOptions, RetryPolicy, Schema,
 };
 use tokio_postgres::error::SqlState;
 use tokio_postgres::NoTls;
@@ -106,6 +110,9 @@ struct Args {
     /// Server to use: `host=… port=… user=…` or `postgresql://…`. Required.
     #[arg(long)]
     url: Option<String>,
+    /// Passed by `cargo bench`; ignored.
+    #[arg(long, hide = true)]
+    bench: bool,
     /// Which limiter to drive.
     #[arg(long, value_enum, default_value = "all")]
     mode: Mode,
@@ -255,7 +262,7 @@ async fn run_reference(url: &str, args: &Args, run: &str, classic: bool) -> Outc
             .expect("install the classic function");
         schema.sql("SELECT {s}.rate_limiting_request($1, $2, $3)")
     } else {
-        reference::install_reference_function(&setup, &schema)
+        pg_reference::install_reference_function(&setup, &schema)
             .await
             .expect("install the reference function");
         schema.sql("SELECT {s}.reference_rate_limiting_request($1, $2, $3)")
@@ -1237,9 +1244,15 @@ fn print_table(args: &Args, outcomes: &[Outcome]) {
 async fn main() {
     let args = Args::parse();
     let Some(url) = args.url.clone() else {
+        if args.bench {
+            // `cargo bench` runs every bench target: without a server this one has nothing
+            // to measure.
+            eprintln!("pg_load: skipped (no --url; it starts no server, see benches/pg_load.rs)");
+            return;
+        }
         eprintln!(
             "pg_load needs a server: --url 'host=127.0.0.1 port=5432 user=postgres'. It starts \
-             none; see the top of examples/pg_load.rs or docs/postgres.md for a throwaway one."
+             none; see the top of benches/pg_load.rs or docs/postgres.md for a throwaway one."
         );
         std::process::exit(2);
     };

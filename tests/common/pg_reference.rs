@@ -1,4 +1,5 @@
-//! The classic SQL token bucket, reproduced for comparison only.
+//! The classic SQL token bucket, reproduced for comparison only (tests and the load
+//! generator; not part of the crate).
 //!
 //! Written from its published description (see `docs/postgres.md`): an integer `tk`, `ts`
 //! reset to `now()` on every call while the refill is measured with `clock_timestamp()`,
@@ -8,14 +9,10 @@
 //! `reference_function_rounds_to_the_nearest_token`), and two first calls for a new key race
 //! to a unique-key violation under READ COMMITTED. It lives in its own table
 //! (`reference_token_bucket`) and is called `reference_rate_limiting_request`, so it never
-//! collides with
-//! [`install_classic_function`](super::install_classic_function).
+//! collides with the crate's `install_classic_function`.
 
+use iothrottle::pg::Schema;
 use tokio_postgres::Client;
-
-use super::retry::typed;
-use super::schema::Schema;
-use crate::error::PgLimitError;
 
 const REFERENCE_SQL: &str = r#"
 CREATE SCHEMA IF NOT EXISTS {s};
@@ -51,9 +48,6 @@ $f$;
 pub async fn install_reference_function(
     client: &Client,
     schema: &Schema,
-) -> Result<(), PgLimitError> {
-    client
-        .batch_execute(&schema.sql(REFERENCE_SQL))
-        .await
-        .map_err(typed)
+) -> Result<(), tokio_postgres::Error> {
+    client.batch_execute(&schema.sql(REFERENCE_SQL)).await
 }

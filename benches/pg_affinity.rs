@@ -13,7 +13,7 @@
 //! from `pg_stat_activity` every 5 ms).
 //!
 //! ```text
-//! cargo run --release --features postgres --example pg_affinity -- \
+//! cargo bench --features postgres --bench pg_affinity -- \
 //!     --url 'host=127.0.0.1 port=5439 user=postgres' --workers 16 --sessions 4 --seconds 3
 //! ```
 
@@ -28,7 +28,10 @@ use iothrottle::pg::{PgKeyedLimiter, PgOptions};
 struct Args {
     /// Connection string of a server (the limiter's schema is installed there).
     #[arg(long)]
-    url: String,
+    url: Option<String>,
+    /// Passed by `cargo bench`; ignored.
+    #[arg(long, hide = true)]
+    bench: bool,
     /// Concurrent callers.
     #[arg(long, default_value_t = 16)]
     workers: usize,
@@ -83,7 +86,8 @@ async fn run(args: &Args, limiters: &[Arc<PgKeyedLimiter>], load: Load, tag: &st
             }
         }));
     }
-    let (admin, conn) = tokio_postgres::connect(&args.url, tokio_postgres::NoTls)
+    let url = args.url.as_deref().expect("checked in main");
+    let (admin, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
         .await
         .expect("admin connect");
     tokio::spawn(conn);
@@ -116,8 +120,16 @@ async fn run(args: &Args, limiters: &[Arc<PgKeyedLimiter>], load: Load, tag: &st
 #[tokio::main]
 async fn main() {
     let args = Args::parse();
+    let Some(url) = args.url.clone() else {
+        // `cargo bench` runs every bench target: without a server there is nothing to measure.
+        eprintln!("pg_affinity: skipped (no --url; it starts no server)");
+        if args.bench {
+            return;
+        }
+        std::process::exit(2);
+    };
     let opts = PgOptions::new().with_synchronous_commit(!args.async_commit);
-    let one = PgKeyedLimiter::connect(&args.url, opts.clone().with_connections(args.sessions))
+    let one = PgKeyedLimiter::connect(&url, opts.clone().with_connections(args.sessions))
         .await
         .expect("connect");
     one.install().await.expect("install");
@@ -125,7 +137,7 @@ async fn main() {
     let mut spread = Vec::new();
     for _ in 0..args.sessions {
         spread.push(Arc::new(
-            PgKeyedLimiter::connect(&args.url, opts.clone().with_connections(1))
+            PgKeyedLimiter::connect(&url, opts.clone().with_connections(1))
                 .await
                 .expect("connect"),
         ));
