@@ -11,7 +11,6 @@
 mod imp {
     pub(crate) use loom::sync::atomic::{fence, AtomicU64, Ordering};
     pub(crate) use loom::sync::Arc;
-    #[cfg(feature = "rt")]
     pub(crate) use loom::sync::{Mutex, MutexGuard};
     // The dispatcher's fine timer (feature `rt`).
     #[cfg(feature = "rt")]
@@ -27,8 +26,7 @@ mod imp {
 mod imp {
     pub(crate) use std::sync::atomic::{fence, AtomicU64, Ordering};
     pub(crate) use std::sync::Arc;
-    // Used by the throttle's and the checkpoint's protocol cores (feature `rt`).
-    #[cfg(feature = "rt")]
+    // Used by the bucket's deferred give-backs and the checkpoint's protocol core.
     pub(crate) use std::sync::{Mutex, MutexGuard};
     // The dispatcher's fine timer (feature `rt`).
     #[cfg(feature = "rt")]
