@@ -60,8 +60,11 @@ impl<M: Mode, C: Clock + 'static> Gate<M, C> {
                     // The slow path only: a span around the wait (the fast path has none).
                     let throttle = self.throttle.clone();
                     let span = tracing::debug_span!("iothrottle.adapter.wait", tokens = want);
+                    // No claim in line until the tokens are near: this future may be
+                    // dropped with the operation polling it while the adapter lives on.
                     self.wait = Some(Box::pin(
-                        async move { throttle.acquire(want).await }.instrument(span),
+                        async move { throttle.acquire_unclaimed_first(want).await }
+                            .instrument(span),
                     ));
                 }
             }
@@ -85,13 +88,11 @@ impl<M: Mode, C: Clock + 'static> Gate<M, C> {
         let credit = std::mem::take(&mut self.credit);
         debug_assert!(used <= credit);
         let used = used.min(credit);
-        let bucket = self.throttle.bucket();
         if used > 0 {
-            bucket.complete(used);
+            self.throttle.bucket().complete(used);
         }
-        if credit > used {
-            bucket.refund(credit - used);
-        }
+        // Through the throttle: the waiters behind are woken for the tokens that came back.
+        self.throttle.refund_unused(credit - used);
     }
 }
 
