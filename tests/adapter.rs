@@ -456,3 +456,51 @@ fn blocking_request_on_a_capped_bucket_completes_every_piece() {
     let s = throttle.bucket().snapshot();
     assert_eq!(s.ceil.unwrap().wrapping_sub(s.tail), 100);
 }
+
+/// A write cancelled by `timeout` while the writer lives on (kept for later) holds no claim in
+/// line: another user's `acquire(100)` waits for its own 100 tokens (100 ms), not behind the
+/// cancelled 1,000 (1.1 s). The writer works afterwards, in line behind that user.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_write_cancelled_while_the_writer_lives_leaves_no_claim_in_line() {
+    let t = throttle::<Uncapped>(1_000, 1_000);
+    let mut w = tokio::io::sink().throttled(&t);
+    let start = Instant::now();
+    w.write_all(&[0u8; 1_000]).await.unwrap(); // empties the bucket
+    let cancelled =
+        tokio::time::timeout(Duration::from_millis(10), w.write_all(&[0u8; 1_000])).await;
+    assert!(cancelled.is_err());
+    let _p = t.acquire(100).await.unwrap();
+    assert_eq!(start.elapsed(), Duration::from_millis(100));
+    // The writer, used again: 1,000 more tokens after the 1,100 claimed so far.
+    w.write_all(&[0u8; 1_000]).await.unwrap();
+    assert_eq!(start.elapsed(), Duration::from_millis(1_100));
+}
+
+/// A read granted 1,000 tokens that moved 10 bytes gives 990 back at once, and the waiter
+/// behind it is woken for them: served when the bytes came (500 ms), not at its own timer
+/// (1 s).
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_short_read_wakes_the_waiter_behind_it() {
+    let t = throttle::<Uncapped>(1_000, 1_000);
+    let start = Instant::now();
+    let (mut tx, rx) = tokio::io::duplex(64);
+    let mut r = rx.throttled(&t);
+    let reader = tokio::spawn(async move {
+        let mut buf = [0u8; 1_000];
+        r.read(&mut buf).await.unwrap()
+    });
+    // The reader holds the full bucket while its inner read waits for data.
+    while t.bucket().available() != 0 || t.bucket().snapshot().tail == 0 {
+        tokio::task::yield_now().await;
+    }
+    let t2 = t.clone();
+    let waiter = tokio::spawn(async move {
+        let _p = t2.acquire(1_000).await.unwrap();
+        start.elapsed()
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    tx.write_all(&[1u8; 10]).await.unwrap();
+    assert_eq!(reader.await.unwrap(), 10);
+    // 500 tokens accrued + 990 given back ≥ the waiter's 1,000.
+    assert_eq!(waiter.await.unwrap(), Duration::from_millis(500));
+}
