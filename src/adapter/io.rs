@@ -25,8 +25,9 @@ type Wait<M, C> = Pin<Box<dyn Future<Output = Result<Permit<M, C>, AcquireError>
 /// - `credit` tokens were granted by the throttle and not yet spent or given back. It is
 ///   non-zero only while an inner operation returned `Pending` (the next poll reuses it); every
 ///   `Ready` from the inner object settles it: the bytes moved are completed, the rest refunded.
-/// - `wait` is the claim in line for the next grant; dropping it gives its tokens back (the
-///   throttle's cancellation guarantee), so dropping the adapter at any point loses nothing.
+/// - `wait` is the wait for the next grant: first a sleep without a claim, then a claim in line
+///   ([`Throttle::acquire_unclaimed_first`]); dropping it gives any claim back (the throttle's
+///   cancellation guarantee), so dropping the adapter at any point loses nothing.
 struct Gate<M: Mode, C: Clock + 'static> {
     throttle: Throttle<M, C>,
     credit: u64,
@@ -117,8 +118,11 @@ fn closed() -> io::Error {
 ///   over any time `t`, bytes ≤ `rate × t + limit`.
 /// - `max_chunk` is at most the bucket's limit, so a large buffer is split into several
 ///   operations: never an error, never a wait that cannot end.
-/// - Dropping the adapter (or the future polling it) at any point loses no token: a claim in
-///   line is given back in order, credit held across an inner `Pending` is refunded.
+/// - Dropping the adapter (or the future polling it) at any point loses no token: an operation
+///   waiting for its tokens sleeps without a claim until they are near, so a cancelled one holds
+///   nobody up; a claim in line is given back in order when the adapter is dropped; credit held
+///   across an inner `Pending` is refunded. Unused tokens go back through the throttle, which
+///   wakes the waiters behind them.
 /// - `AsyncSeek`, `poll_flush` and `poll_shutdown` pass straight through, unthrottled.
 /// - The inner object must be `Unpin` (files, sockets, `tokio::io::duplex` are); wrap others in
 ///   `Box::pin(inner)`.
