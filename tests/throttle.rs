@@ -708,7 +708,11 @@ async fn a_throttle_leaving_a_shared_bucket(close: bool) {
     let a_waiter = spawn_acquire(&a, 10, start).await;
     a_waiter.abort();
     assert!(a_waiter.await.unwrap_err().is_cancelled());
-    assert_eq!(bucket.deferred_give_backs(), 1, "behind B's waiter: deferred");
+    assert_eq!(
+        bucket.deferred_give_backs(),
+        1,
+        "behind B's waiter: deferred"
+    );
     if close {
         a.close();
     } else {

@@ -113,7 +113,10 @@ impl GiveBacks {
     }
 
     /// To be called after `head` moved: refunds the entries it reached. Returns whether it did.
-    pub(crate) fn after_head_moved<M: Mode, C: Clock>(&self, bucket: &SharedTokenBucket<M, C>) -> bool {
+    pub(crate) fn after_head_moved<M: Mode, C: Clock>(
+        &self,
+        bucket: &SharedTokenBucket<M, C>,
+    ) -> bool {
         // SeqCst fence: the store-buffer pattern with `give_back` (see the module doc).
         fence(Ordering::SeqCst);
         // Relaxed: ordered by the fence above.
@@ -142,6 +145,8 @@ impl GiveBacks {
 
 impl fmt::Debug for GiveBacks {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("GiveBacks").field("len", &self.len()).finish()
+        f.debug_struct("GiveBacks")
+            .field("len", &self.len())
+            .finish()
     }
 }

@@ -75,7 +75,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
 use tokio::sync::oneshot;
 
 pub use class::{ClassConfig, ClassId, Priority};
-pub use cost::{DiskModel, IoKind, IoRequest, Piece, SPLIT_ALIGN};
+pub use cost::{DiskModel, IoKind, IoRequest, Piece, MAX_SPLIT_PIECES, SPLIT_ALIGN};
 pub use handle::{IoHandle, SplitHandle};
 pub use stats::{ClassStats, DispatcherStats, ShardStats};
 
@@ -1089,7 +1089,9 @@ impl Dispatcher {
     /// and buffer every piece can be issued with `O_DIRECT`.
     ///
     /// A raw token cost ([`IoRequest::tokens`]) cannot be split, nor a request of which not
-    /// even one 4 KiB block fits in `max_cost`: both are [`SubmitError::TooLarge`].
+    /// even one 4 KiB block fits in `max_cost`: both are [`SubmitError::TooLarge`]. A request
+    /// of more than [`MAX_SPLIT_PIECES`] pieces is [`SubmitError::TooManyPieces`] (each piece is
+    /// a task made at submission; nothing is allocated for such a request).
     pub fn submit_split<F, Fut>(
         &self,
         class: ClassId,
@@ -1119,14 +1121,19 @@ impl Dispatcher {
     {
         self.check(shard, class)?;
         let cost = self.shared.disk.cost(&request);
-        let pieces = match request.kind() {
-            _ if cost <= self.shared.max_cost => cost::split(request.bytes(), u64::MAX),
+        let (split, max) = match request.kind() {
+            _ if cost <= self.shared.max_cost => (cost::split(request.bytes(), u64::MAX), u64::MAX),
             None => return Err(self.too_large(&request, cost)),
             Some(kind) => match self.max_piece(kind) {
-                Some(max) => cost::split(request.bytes(), max),
+                Some(max) => (cost::split(request.bytes(), max), max),
                 None => return Err(self.too_large(&request, cost)),
             },
         };
+        let pieces = split.map_err(|pieces| SubmitError::TooManyPieces {
+            pieces,
+            max_pieces: cost::MAX_SPLIT_PIECES,
+            max_bytes: max.saturating_mul(cost::MAX_SPLIT_PIECES),
+        })?;
         let mut handles = Vec::with_capacity(pieces.len());
         for piece in pieces {
             let bytes = piece.len();

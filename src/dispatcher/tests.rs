@@ -982,7 +982,7 @@ fn one_mib_write_splits_into_aligned_pieces_within_the_goal() {
             .disk
             .max_aligned_bytes_within(IoKind::Write, shared.max_cost)
             .unwrap();
-        let pieces = cost::split(1 << 20, max);
+        let pieces = cost::split(1 << 20, max).unwrap();
         assert_eq!(pieces.iter().map(Piece::len).sum::<u64>(), 1 << 20);
         for p in &pieces {
             assert_eq!(p.range.start % SPLIT_ALIGN, 0);
