@@ -271,20 +271,26 @@ impl Shared {
         Ok(())
     }
 
-    /// Changes a class's cap (the shards then need a wake-up).
+    /// Changes a class's cap; returns whether it changed (the shards then need a wake-up).
+    /// Re-applying the cap the class has is a no-op; a changed cap carries over what the old
+    /// one held (see [`class::next_cap_bucket`]).
     pub(crate) fn set_bandwidth_cap(
         &self,
         class: ClassId,
         cap: Option<Rate>,
-    ) -> Result<(), ControlError> {
+    ) -> Result<bool, ControlError> {
         self.check_class(class)?;
-        let bucket = match cap {
-            None => None,
-            Some(rate) => Some(Arc::new(class::cap_bucket(rate, &self.clock)?)),
-        };
-        self.classes.set_cap(class.0, bucket);
-        self.changed();
-        Ok(())
+        let changed = self.classes.update_cap(class.0, |old| match (cap, old) {
+            (None, None) => Ok(None),
+            (None, Some(_)) => Ok(Some(None)),
+            (Some(rate), old) => Ok::<_, ControlError>(
+                class::next_cap_bucket(rate, &self.clock, old)?.map(|b| Some(Arc::new(b))),
+            ),
+        })?;
+        if changed {
+            self.changed();
+        }
+        Ok(changed)
     }
 }
 
@@ -983,13 +989,16 @@ impl Dispatcher {
     }
 
     /// Sets, changes or removes (`None`) a class's bandwidth cap while running; `rate` counts
-    /// bytes (`Rate::per_second(50 << 20)` is 50 MiB/s). A new cap starts with a full burst
-    /// (100 ms of it), as at build; a request waiting for bytes of the old cap claims them
-    /// again from the new one. Every shard is woken, so the change holds within one
-    /// replenish period.
+    /// bytes (`Rate::per_second(50 << 20)` is 50 MiB/s). Setting the cap the class already has
+    /// (the same rate, however written) changes nothing. A cap set on an uncapped class starts
+    /// with a full burst (100 ms of it), as at build; a changed cap starts with what the old one
+    /// held (at most its own burst), so changing it often never adds bursts; a request waiting
+    /// for bytes of the old cap claims them again from the new one. Every shard is woken on a
+    /// change, so it holds within one replenish period.
     pub fn set_bandwidth_cap(&self, class: ClassId, cap: Option<Rate>) -> Result<(), ControlError> {
-        self.shared.set_bandwidth_cap(class, cap)?;
-        self.wake_shards();
+        if self.shared.set_bandwidth_cap(class, cap)? {
+            self.wake_shards();
+        }
         Ok(())
     }
 
