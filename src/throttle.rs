@@ -693,8 +693,9 @@ impl<M: Mode, C: Clock> Drop for Claim<'_, M, C> {
 /// [`complete`](Self::complete)) releases exactly its tokens to the bucket's `ceil`, so that the
 /// bucket may fill again. Every permit is released exactly once, whatever happens to the work:
 /// the capped-release leak (tokens grabbed but never released) cannot happen. In [`Uncapped`]
-/// mode the drop does nothing.
-#[must_use = "in capped mode, dropping the permit at once reports the work as completed"]
+/// mode the drop does nothing, so the permit is not `#[must_use]`: `throttle.acquire(n).await?;`
+/// is the whole call when only the wait matters. In capped mode, hold the permit for as long as
+/// the work runs (`let permit = …; …; permit.complete();`).
 pub struct Permit<M: Mode = Uncapped, C: Clock + 'static = MonotonicClock> {
     tokens: u64,
     /// The bucket position the claim ends at (0 for an empty permit).

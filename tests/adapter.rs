@@ -12,7 +12,7 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncSeekExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::time::Instant;
 
-use iothrottle::adapter::{BlockingThrottle, ThrottleExt, ThrottledIo};
+use iothrottle::adapter::{BlockingThrottle, ThrottleExt, ThrottleReadExt, ThrottledIo};
 use iothrottle::{
     BucketConfig, Capped, Clock, ManualClock, Mode, Rate, SharedTokenBucket, Throttle, TokioClock,
     Uncapped,
@@ -92,7 +92,7 @@ async fn bytes_through_the_adapter_stay_within_rate_times_t_plus_burst() {
         }));
     }
     let log_r = log.clone();
-    let mut r = tokio::io::repeat(1).throttled(&t);
+    let mut r = tokio::io::repeat(1).throttled_read(&t);
     tasks.push(tokio::spawn(async move {
         let mut buf = vec![0u8; 10_000];
         loop {
@@ -277,7 +277,7 @@ async fn short_reads_and_end_of_file_refund_what_they_did_not_fill() {
     let mut buf = [0u8; 80];
     assert_eq!(r.read(&mut buf).await.unwrap(), 10);
     assert_eq!(t.bucket().available(), 90);
-    let mut eof = tokio::io::empty().throttled(&t);
+    let mut eof = tokio::io::empty().throttled_read(&t);
     assert_eq!(eof.read(&mut buf).await.unwrap(), 0);
     assert_eq!(t.bucket().available(), 90);
 }
@@ -503,4 +503,46 @@ async fn a_short_read_wakes_the_waiter_behind_it() {
     assert_eq!(reader.await.unwrap(), 10);
     // 500 tokens accrued + 990 given back ≥ the waiter's 1,000.
     assert_eq!(waiter.await.unwrap(), Duration::from_millis(500));
+}
+
+/// Another crate's `.throttled()` on every type: with `ThrottleExt` and `ThrottleReadExt` in
+/// scope, a value that is no I/O object still resolves to it (the adapters' traits are
+/// implemented for `AsyncWrite` and `AsyncRead` only; were they on every type, this would not
+/// compile: "multiple applicable items in scope").
+trait OtherThrottled {
+    fn throttled(&self) -> &'static str {
+        "other"
+    }
+    fn throttled_read(&self) -> &'static str {
+        "other"
+    }
+}
+impl<T> OtherThrottled for T {}
+
+/// Whether `T` has `ThrottleExt` (an inherent const wins over the trait's fallback only when
+/// the bound holds).
+struct Probe<T>(std::marker::PhantomData<T>);
+trait Fallback {
+    const WRITE: bool = false;
+    const READ: bool = false;
+}
+impl<T> Fallback for Probe<T> {}
+impl<T: ThrottleExt> Probe<T> {
+    const WRITE: bool = true;
+}
+struct ReadProbe<T>(std::marker::PhantomData<T>);
+impl<T> Fallback for ReadProbe<T> {}
+impl<T: ThrottleReadExt> ReadProbe<T> {
+    const READ: bool = true;
+}
+
+#[test]
+fn the_throttled_methods_are_only_on_io_objects() {
+    assert_eq!(5u32.throttled(), "other");
+    assert_eq!(String::new().throttled_read(), "other");
+    assert!(!Probe::<u32>::WRITE && !ReadProbe::<u32>::READ);
+    assert!(!Probe::<tokio::io::Repeat>::WRITE, "Repeat only reads");
+    assert!(ReadProbe::<tokio::io::Repeat>::READ);
+    assert!(Probe::<tokio::io::Sink>::WRITE && !ReadProbe::<tokio::io::Sink>::READ);
+    assert!(Probe::<tokio::io::DuplexStream>::WRITE && ReadProbe::<tokio::io::DuplexStream>::READ);
 }

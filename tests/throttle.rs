@@ -740,3 +740,21 @@ async fn dropping_a_throttle_never_serves_another_throttles_waiter_early() {
 async fn closing_a_throttle_never_serves_another_throttles_waiter_early() {
     a_throttle_leaving_a_shared_bucket(true).await;
 }
+
+/// Waiting only: with an uncapped bucket the permit means nothing once granted, so the call
+/// needs no binding and warns about nothing (a compile-time check: `unused_must_use` is denied
+/// here).
+#[deny(unused_must_use)]
+async fn wait_for(t: &Throttle<Uncapped, TokioClock>, n: u64) -> Result<(), AcquireError> {
+    t.acquire(n).await?;
+    Ok(())
+}
+
+#[tokio::test(start_paused = true)]
+async fn acquire_then_question_mark_compiles_without_a_must_use_warning() {
+    let th = throttle::<Uncapped>(Rate::per_second(1_000), 100, 1);
+    drain(&th).await;
+    let start = Instant::now();
+    wait_for(&th, 50).await.unwrap();
+    assert_eq!(start.elapsed(), 50 * MS);
+}

@@ -303,7 +303,10 @@ impl<T: AsyncSeek + Unpin, M: Mode, C: Clock + 'static> AsyncSeek for ThrottledI
     }
 }
 
-/// `.throttled(&throttle)` on any value: the one-line way to make a [`ThrottledIo`].
+/// `.throttled(&throttle)` on any [`AsyncWrite`] (a file, a socket, a write half): the one-line
+/// way to make a [`ThrottledIo`]. Its reads are throttled too when it also reads; for objects
+/// that only read, see [`ThrottleReadExt::throttled_read`]. Implemented for the I/O traits only,
+/// so the method appears on nothing else.
 ///
 /// ```
 /// use iothrottle::adapter::ThrottleExt;
@@ -311,11 +314,13 @@ impl<T: AsyncSeek + Unpin, M: Mode, C: Clock + 'static> AsyncSeek for ThrottledI
 ///
 /// # fn main() -> Result<(), iothrottle::ConfigError> {
 /// let throttle: Throttle = Throttle::new(BucketConfig::new(Rate::per_second(50 << 20), 1 << 20))?;
-/// let _reader = tokio::io::empty().throttled(&throttle);
+/// let (a, _b) = tokio::io::duplex(64); // reads and writes: both throttled
+/// let _both = a.throttled(&throttle);
+/// let _writer = tokio::io::sink().throttled(&throttle);
 /// # Ok(())
 /// # }
 /// ```
-pub trait ThrottleExt: Sized {
+pub trait ThrottleExt: AsyncWrite + Sized {
     /// Wraps `self` in a [`ThrottledIo`] drawing on `throttle`.
     fn throttled<M: Mode, C: Clock + 'static>(
         self,
@@ -325,4 +330,31 @@ pub trait ThrottleExt: Sized {
     }
 }
 
-impl<T> ThrottleExt for T {}
+impl<T: AsyncWrite> ThrottleExt for T {}
+
+/// `.throttled_read(&throttle)` on any [`AsyncRead`]: a [`ThrottledIo`] for objects that only
+/// read (a read half, a child's stdout). Objects that also write have
+/// [`ThrottleExt::throttled`], which throttles both directions (the two names keep the call
+/// unambiguous on objects that do both, as `tokio_util`'s `compat` and `compat_write` do).
+///
+/// ```
+/// use iothrottle::adapter::ThrottleReadExt;
+/// use iothrottle::{BucketConfig, Rate, Throttle};
+///
+/// # fn main() -> Result<(), iothrottle::ConfigError> {
+/// let throttle: Throttle = Throttle::new(BucketConfig::new(Rate::per_second(50 << 20), 1 << 20))?;
+/// let _reader = tokio::io::empty().throttled_read(&throttle);
+/// # Ok(())
+/// # }
+/// ```
+pub trait ThrottleReadExt: AsyncRead + Sized {
+    /// Wraps `self` in a [`ThrottledIo`] drawing on `throttle`.
+    fn throttled_read<M: Mode, C: Clock + 'static>(
+        self,
+        throttle: &Throttle<M, C>,
+    ) -> ThrottledIo<Self, M, C> {
+        ThrottledIo::new(self, throttle.clone())
+    }
+}
+
+impl<T: AsyncRead> ThrottleReadExt for T {}

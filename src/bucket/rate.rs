@@ -437,9 +437,7 @@ fn split_decimal(s: &str) -> Option<(Decimal, &str)> {
     if frac.len() > 18 {
         return None;
     }
-    let digits = format!("{int}{frac}")
-        .parse::<u128>()
-        .unwrap_or(u128::MAX);
+    let digits = format!("{int}{frac}").parse::<u128>().unwrap_or(u128::MAX);
     Some((
         Decimal {
             digits,
