@@ -540,9 +540,14 @@ impl<T: ThrottleReadExt> ReadProbe<T> {
 fn the_throttled_methods_are_only_on_io_objects() {
     assert_eq!(5u32.throttled(), "other");
     assert_eq!(String::new().throttled_read(), "other");
-    assert!(!Probe::<u32>::WRITE && !ReadProbe::<u32>::READ);
-    assert!(!Probe::<tokio::io::Repeat>::WRITE, "Repeat only reads");
-    assert!(ReadProbe::<tokio::io::Repeat>::READ);
-    assert!(Probe::<tokio::io::Sink>::WRITE && !ReadProbe::<tokio::io::Sink>::READ);
-    assert!(Probe::<tokio::io::DuplexStream>::WRITE && ReadProbe::<tokio::io::DuplexStream>::READ);
+    // Checked at compile time.
+    const {
+        assert!(!Probe::<u32>::WRITE && !ReadProbe::<u32>::READ);
+        assert!(!Probe::<tokio::io::Repeat>::WRITE, "Repeat only reads");
+        assert!(ReadProbe::<tokio::io::Repeat>::READ);
+        assert!(Probe::<tokio::io::Sink>::WRITE && !ReadProbe::<tokio::io::Sink>::READ);
+        assert!(
+            Probe::<tokio::io::DuplexStream>::WRITE && ReadProbe::<tokio::io::DuplexStream>::READ
+        );
+    }
 }

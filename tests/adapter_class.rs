@@ -98,6 +98,10 @@ async fn small_writes_through_a_buffer_of_one_chunk_cost_one_ticket_per_chunk() 
     let stats = d.stats().await;
     let class = &stats.classes[bg.index()];
     assert_eq!(class.bytes, n, "every byte charged once");
-    assert_eq!(class.requests, n.div_ceil(max_write), "one ticket per chunk");
+    assert_eq!(
+        class.requests,
+        n.div_ceil(max_write),
+        "one ticket per chunk"
+    );
     d.shutdown();
 }
