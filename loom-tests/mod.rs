@@ -1,5 +1,5 @@
 //! Loom models of the crate's atomic protocols, one submodule per protocol: the bucket's, the
-//! throttle's deferred give-backs and close (`throttle_deferred`), the strict checkpoint's
+//! bucket's deferred give-backs (`throttle_deferred`), the strict checkpoint's
 //! mark/request protocol (`checkpoint_mark`), the dispatcher's fairness counters and fine timer
 //! (`dispatcher_*`).
 //!

@@ -489,6 +489,21 @@ pub enum SubmitError {
         /// The largest piece of this kind that fits, `None` if no size fits.
         max_bytes: Option<u64>,
     },
+    /// A split request would be more than
+    /// [`MAX_SPLIT_PIECES`](crate::dispatcher::MAX_SPLIT_PIECES) pieces: submit it in parts of
+    /// at most `max_bytes` bytes.
+    #[error(
+        "the request would be split into {pieces} pieces, more than the {max_pieces} one request \
+         may have; submit it in parts of at most {max_bytes} bytes"
+    )]
+    TooManyPieces {
+        /// The pieces the request would take.
+        pieces: u64,
+        /// The most pieces one request may have.
+        max_pieces: u64,
+        /// The most bytes one split request of this kind may carry.
+        max_bytes: u64,
+    },
 }
 
 fn too_large_hint(max_bytes: Option<u64>) -> String {

@@ -26,7 +26,7 @@ mod imp {
 mod imp {
     pub(crate) use std::sync::atomic::{fence, AtomicU64, Ordering};
     pub(crate) use std::sync::Arc;
-    // The keyed throttle's shards, and the throttle's and the checkpoint's protocol cores.
+    // Used by the bucket's deferred give-backs and the checkpoint's protocol core.
     pub(crate) use std::sync::{Mutex, MutexGuard};
     // The dispatcher's fine timer (feature `rt`).
     #[cfg(feature = "rt")]

@@ -11,16 +11,10 @@
 //!   by a waiter *after* it registered its `Notified`. Either the waiter sees the flag, or its
 //!   registration precedes the close in the single SeqCst order and `notify_waiters` wakes it:
 //!   no waiter can sleep through a close.
-//! - `deferred_len` (give-backs waiting for `head` to reach them): a give-back bumps it
-//!   (**SeqCst**), issues a **SeqCst fence** and then reads `head`; whoever moves `head` (a
-//!   replenish or a refund) issues a **SeqCst fence** and then loads `deferred_len`. This is the
-//!   store-buffer (Dekker) pattern: with the two fences, at least one side sees the other's
-//!   write, so a deferred give-back is never stranded behind a `head` that already passed it.
-//!   The list itself is behind a mutex (cancellation is the rare path): a `BTreeMap` keyed by
-//!   the wrap-safe offset of each give-back's start from a base that no live start is behind,
-//!   so a give-back and each refund it unblocks cost O(log N). This protocol is
-//!   `DeferredGiveBacks`, built on `crate::sync` only, and loom-modelled
-//!   (`loom-tests/throttle_deferred.rs`).
+//! - Give-backs of claims that `head` has not reached yet are the bucket's
+//!   ([`SharedTokenBucket::give_back`]), shared by every user of the bucket; their handshake
+//!   with whoever moves `head` is described (and loom-modelled) there. After each of its
+//!   replenishes the throttle calls [`SharedTokenBucket::settle_give_backs`].
 //! - `given_back`, `waiting_tokens` and `cancelled` (the [`stats`](Throttle::stats) counters,
 //!   slow path only): **Relaxed**, statistics that order nothing.
 //! - `waiters`: **Relaxed**. It only decides whether a give-back bothers to call
@@ -28,7 +22,6 @@
 //!   also has a timer for the time its tokens accrue at the current rate.
 #![doc = include_str!("../docs/throttle.md")]
 
-use std::collections::BTreeMap;
 use std::fmt;
 use std::pin::pin;
 use std::sync::Arc;
@@ -41,7 +34,7 @@ use crate::bucket::{ahead, BucketConfig, Capped, Mode, Rate, SharedTokenBucket, 
 use crate::checkpoint::{CheckpointedBucket, MarkGate};
 use crate::clock::{Clock, MonotonicClock};
 use crate::error::{AcquireError, ConfigError, TryAcquireError};
-use crate::sync::{fence, AtomicU64, Mutex, Ordering};
+use crate::sync::{AtomicU64, Ordering};
 
 /// An async throttle over a [`SharedTokenBucket`]: `acquire(cost).await` waits, in line, until
 /// `cost` tokens are there.
@@ -95,8 +88,8 @@ struct Shared<M: Mode, C: Clock> {
     /// Claims that entered the slow path and are not finished (decides whether a give-back
     /// notifies).
     waiters: AtomicU64,
-    /// Give-backs of claims that `head` has not reached yet.
-    deferred: DeferredGiveBacks,
+    /// 1 once closed.
+    closed: AtomicU64,
     /// The checkpoint layer: grabs past its durable mark wait for it.
     gate: Option<Arc<MarkGate>>,
     /// Statistics.
@@ -136,7 +129,8 @@ pub struct ThrottleStats {
 
 impl<M: Mode, C: Clock> Shared<M, C> {
     fn is_closed(&self) -> bool {
-        self.deferred.is_closed()
+        // SeqCst: see the module doc (close vs. a waiter registering).
+        self.closed.load(Ordering::SeqCst) != 0
     }
 
     /// Replenishes at `now`, then applies the deferred give-backs that `head` has reached.
@@ -148,13 +142,13 @@ impl<M: Mode, C: Clock> Shared<M, C> {
     /// To be called after `head` may have moved: applies reached give-backs (and wakes the
     /// waiters when it did).
     fn after_head_moved(&self) {
-        if self.deferred.after_head_moved(&self.bucket) {
+        if self.bucket.settle_give_backs() {
             self.wake_waiters();
         }
     }
 
     /// Gives back the claim `(start, start + tokens]`, never served (see
-    /// [`DeferredGiveBacks::give_back`]).
+    /// [`SharedTokenBucket::give_back`]).
     fn give_back(&self, start: u64, tokens: u64) {
         if tokens == 0 {
             return;
@@ -164,9 +158,19 @@ impl<M: Mode, C: Clock> Shared<M, C> {
         self.counters
             .given_back
             .fetch_add(tokens, Ordering::Relaxed);
-        if self.deferred.give_back(&self.bucket, start, tokens) {
+        if self.bucket.give_back(start.wrapping_add(tokens), tokens) {
             self.wake_waiters();
         }
+    }
+
+    /// Refunds `tokens` that were granted and not used: `head` moves, so the waiters behind
+    /// may be served now.
+    fn refund_unused(&self, tokens: u64) {
+        if tokens == 0 {
+            return;
+        }
+        self.bucket.refund(tokens);
+        self.wake_waiters();
     }
 
     fn wake_waiters(&self) {
@@ -195,14 +199,6 @@ impl<M: Mode, C: Clock> Shared<M, C> {
             .checked_add(self.bucket.duration_for(need))
             .unwrap_or(Duration::MAX);
         due.saturating_sub(now)
-    }
-}
-
-impl<M: Mode, C: Clock> Drop for Shared<M, C> {
-    fn drop(&mut self) {
-        // The last handle is gone: nobody will reach the deferred give-backs any more. Refund
-        // them so that a bucket shared with others does not lose them (capped: `ceil`).
-        self.deferred.drain(&self.bucket, true);
     }
 }
 
@@ -287,7 +283,7 @@ impl<M: Mode, C: Clock> Throttle<M, C> {
     /// [`AcquireError::CostExceedsLimit`]. In periodic mode it is a plain throttle over the
     /// bucket.
     ///
-    /// Each call makes a new throttle (its own waiters and deferred give-backs): make one and
+    /// Each call makes a new throttle (its own waiters and close flag): make one and
     /// clone it.
     pub fn with_checkpoint(checkpointed: &CheckpointedBucket<M, C>) -> Self {
         Self::from_parts(
@@ -303,7 +299,7 @@ impl<M: Mode, C: Clock> Throttle<M, C> {
                 bucket,
                 changed: Notify::new(),
                 waiters: AtomicU64::new(0),
-                deferred: DeferredGiveBacks::new(),
+                closed: AtomicU64::new(0),
                 gate,
                 counters: CachePadded::new(ThrottleCounters {
                     tail0,
@@ -348,11 +344,20 @@ impl<M: Mode, C: Clock> Throttle<M, C> {
 
     /// Closes the throttle: every waiter returns [`AcquireError::Closed`] (and gives its tokens
     /// back), and every later `acquire`/`try_acquire` fails. Permits already granted stay valid.
+    ///
+    /// The claims of the leaving waiters go back as cancelled claims do: at once where `head`
+    /// has reached them, otherwise when it does (on a shared bucket, claims of other users may
+    /// be waiting in front of them, and are not served early).
     pub fn close(&self) {
-        // Sets the flag (SeqCst, see the module doc), then refunds the deferred give-backs:
-        // nobody will be served before them any more.
-        self.shared.deferred.close(&self.shared.bucket);
+        // SeqCst: see the module doc (close vs. a waiter registering).
+        self.shared.closed.store(1, Ordering::SeqCst);
         self.shared.changed.notify_waiters();
+    }
+
+    /// Refunds `tokens` granted by this throttle and not used (a short read, a write that
+    /// failed), and wakes the waiters: those behind may now be served.
+    pub(crate) fn refund_unused(&self, tokens: u64) {
+        self.shared.refund_unused(tokens);
     }
 
     /// Whether [`close`](Self::close) was called.
@@ -543,6 +548,47 @@ impl<M: Mode, C: Clock + 'static> Throttle<M, C> {
             retry_after: shared.delay_for(missing, now),
         })
     }
+
+    /// [`acquire`](Self::acquire) for callers that cannot see their own cancellation (a
+    /// poll-based adapter, whose operation's future may be dropped while the adapter lives on):
+    /// no claim is made while the tokens are far. It first sleeps, claiming nothing, until the
+    /// tokens a claim made now would need have accrued (woken earlier by a rate change, a close
+    /// or tokens given back); then it claims and waits in line as `acquire` does, for the
+    /// tokens claimed by others meanwhile. Dropped while asleep, it leaves nothing in line.
+    pub(crate) async fn acquire_unclaimed_first(
+        &self,
+        cost: u64,
+    ) -> Result<Permit<M, C>, AcquireError> {
+        let shared = &*self.shared;
+        let mut sleep = pin!(tokio::time::sleep(Duration::ZERO));
+        let mut deadline: Option<tokio::time::Instant> = None;
+        // Counted as a waiter, so that give-backs and closes notify it.
+        let waiting = WaiterCount::new(shared);
+        loop {
+            let mut notified = pin!(shared.changed.notified());
+            notified.as_mut().enable();
+            let retry_after = match self.try_acquire(cost) {
+                Ok(permit) => return Ok(permit),
+                Err(TryAcquireError::Closed) => return Err(AcquireError::Closed),
+                Err(TryAcquireError::CostExceedsLimit { cost, limit }) => {
+                    return Err(AcquireError::CostExceedsLimit { cost, limit })
+                }
+                Err(TryAcquireError::Insufficient { retry_after, .. }) => retry_after,
+            };
+            // Only ever earlier: a stream of notifications cannot keep it from its turn.
+            let at = tokio::time::Instant::now() + timer_offset(retry_after);
+            let at = deadline.map_or(at, |d| d.min(at));
+            deadline = Some(at);
+            sleep.as_mut().reset(at);
+            tokio::select! {
+                biased;
+                _ = &mut notified => {}
+                _ = sleep.as_mut() => break,
+            }
+        }
+        drop(waiting);
+        self.acquire(cost).await
+    }
 }
 
 /// The most lateness of a timer that a waiter makes up for (two of tokio's timer ticks).
@@ -576,8 +622,28 @@ impl<M: Mode, C: Clock> fmt::Debug for Throttle<M, C> {
             .field("closed", &self.shared.is_closed())
             // Relaxed: a snapshot for display.
             .field("waiters", &self.shared.waiters.load(Ordering::Relaxed))
-            .field("deferred", &self.shared.deferred.len())
+            .field("deferred", &self.shared.bucket.deferred_give_backs())
             .finish()
+    }
+}
+
+/// One count in `shared.waiters` for as long as it lives.
+struct WaiterCount<'a, M: Mode, C: Clock> {
+    shared: &'a Shared<M, C>,
+}
+
+impl<'a, M: Mode, C: Clock> WaiterCount<'a, M, C> {
+    fn new(shared: &'a Shared<M, C>) -> Self {
+        // Relaxed: see the module doc.
+        shared.waiters.fetch_add(1, Ordering::Relaxed);
+        WaiterCount { shared }
+    }
+}
+
+impl<M: Mode, C: Clock> Drop for WaiterCount<'_, M, C> {
+    fn drop(&mut self) {
+        // Relaxed: see the module doc.
+        self.shared.waiters.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -627,8 +693,9 @@ impl<M: Mode, C: Clock> Drop for Claim<'_, M, C> {
 /// [`complete`](Self::complete)) releases exactly its tokens to the bucket's `ceil`, so that the
 /// bucket may fill again. Every permit is released exactly once, whatever happens to the work:
 /// the capped-release leak (tokens grabbed but never released) cannot happen. In [`Uncapped`]
-/// mode the drop does nothing.
-#[must_use = "in capped mode, dropping the permit at once reports the work as completed"]
+/// mode the drop does nothing, so the permit is not `#[must_use]`: `throttle.acquire(n).await?;`
+/// is the whole call when only the wait matters. In capped mode, hold the permit for as long as
+/// the work runs (`let permit = …; …; permit.complete();`).
 pub struct Permit<M: Mode = Uncapped, C: Clock + 'static = MonotonicClock> {
     tokens: u64,
     /// The bucket position the claim ends at (0 for an empty permit).
@@ -687,176 +754,6 @@ impl<M: Mode, C: Clock + 'static> fmt::Debug for Permit<M, C> {
             .finish()
     }
 }
-
-/// The deferred give-backs' core: crate-private, and modelled by the loom tests.
-mod deferred {
-    use super::*;
-
-    /// The deferred give-backs of one throttle: claims given back before `head` reached them.
-    ///
-    /// Refunding such a claim at once would serve the claims in front of it early; it is refunded
-    /// when `head` reaches its start, exactly as if it had never been made. Built on `crate::sync`
-    /// only, so that loom models the handshake with whoever moves `head` (see the module's
-    /// orderings).
-    ///
-    /// # Invariants
-    ///
-    /// - `len` equals the number of entries (changed only under the lock).
-    /// - Entries are keyed by `start - base` (wrapping); `base` is a `head` value read under the
-    ///   lock when the map was empty, so `base ≤ head` from then on and every entry's start is at
-    ///   or after `base`: keys order starts correctly across the wrap of the rovers (for 2^63
-    ///   tokens after `base`). A give-back whose start is behind `base` is already reached and is
-    ///   refunded at once.
-    /// - An entry is refunded only when `head` has reached its start (or on a forced drain: the
-    ///   throttle closed or dropped); starts are distinct, so the smallest key is the first due.
-    pub(crate) struct DeferredGiveBacks {
-        inner: Mutex<DeferredInner>,
-        /// The number of entries, readable without the lock.
-        len: AtomicU64,
-        /// 1 once closed: give-backs are refunded at once.
-        closed: AtomicU64,
-    }
-
-    struct DeferredInner {
-        base: u64,
-        /// `start - base` → tokens.
-        map: BTreeMap<u64, u64>,
-    }
-
-    impl DeferredGiveBacks {
-        /// No give-backs.
-        pub(crate) fn new() -> Self {
-            DeferredGiveBacks {
-                inner: Mutex::new(DeferredInner {
-                    base: 0,
-                    map: BTreeMap::new(),
-                }),
-                len: AtomicU64::new(0),
-                closed: AtomicU64::new(0),
-            }
-        }
-
-        /// Whether [`close`](Self::close) was called.
-        pub(crate) fn is_closed(&self) -> bool {
-            // SeqCst: see the module doc (close vs. a waiter registering, vs. a give-back).
-            self.closed.load(Ordering::SeqCst) != 0
-        }
-
-        /// Closes: every entry is refunded now, and every later give-back at once (everyone ahead
-        /// is leaving).
-        pub(crate) fn close<M: Mode, C: Clock>(&self, bucket: &SharedTokenBucket<M, C>) {
-            // SeqCst: a give-back that inserted after our drain took the lock reads it (and drains).
-            self.closed.store(1, Ordering::SeqCst);
-            self.drain(bucket, true);
-        }
-
-        fn lock(&self) -> crate::sync::MutexGuard<'_, DeferredInner> {
-            // A panic while holding the lock cannot leave the map inconsistent with `len` (each
-            // change of one is followed by the other's before any call that can panic).
-            self.inner.lock().unwrap_or_else(|e| e.into_inner())
-        }
-
-        /// Entries waiting.
-        pub(crate) fn len(&self) -> u64 {
-            // Relaxed: a snapshot for display.
-            self.len.load(Ordering::Relaxed)
-        }
-
-        /// Gives back the claim `(start, start + tokens]` of `bucket`, never served.
-        ///
-        /// If `head` has reached `start` (or the throttle is closed: everyone ahead is leaving),
-        /// the tokens are refunded now. Otherwise they wait until `head` gets there. Returns
-        /// whether anything was refunded (the caller wakes its waiters).
-        pub(crate) fn give_back<M: Mode, C: Clock>(
-            &self,
-            bucket: &SharedTokenBucket<M, C>,
-            start: u64,
-            tokens: u64,
-        ) -> bool {
-            if tokens == 0 {
-                return false;
-            }
-            if self.is_closed() || bucket.deficiency(start) == 0 {
-                bucket.refund(tokens);
-                self.after_head_moved(bucket);
-                return true;
-            }
-            {
-                let mut inner = self.lock();
-                if inner.map.is_empty() {
-                    inner.base = bucket.snapshot().head;
-                }
-                let off = start.wrapping_sub(inner.base);
-                if (off as i64) < 0 {
-                    // Behind `base`, which `head` has passed: reached already.
-                    drop(inner);
-                    bucket.refund(tokens);
-                    self.after_head_moved(bucket);
-                    return true;
-                }
-                *inner.map.entry(off).or_insert(0) += tokens;
-                // SeqCst: the store of the store-buffer pattern (see the module doc).
-                self.len.store(inner.map.len() as u64, Ordering::SeqCst);
-            }
-            // SeqCst fence, then read head (in `drain`): head may have passed `start` while we
-            // inserted, and its mover may have missed our entry. And a close whose drain ran
-            // before our insert: its flag store precedes that drain's lock, which precedes ours.
-            fence(Ordering::SeqCst);
-            self.drain(bucket, self.is_closed())
-        }
-
-        /// To be called after `head` moved: refunds the entries it reached. Returns whether it did.
-        pub(crate) fn after_head_moved<M: Mode, C: Clock>(
-            &self,
-            bucket: &SharedTokenBucket<M, C>,
-        ) -> bool {
-            // SeqCst fence: the store-buffer pattern with `give_back` (see the module doc).
-            fence(Ordering::SeqCst);
-            // Relaxed: ordered by the fence above.
-            self.len.load(Ordering::Relaxed) != 0 && self.drain(bucket, false)
-        }
-
-        /// Refunds every entry that `head` has reached (all of them when `force`), smallest start
-        /// first: a refund moves `head`, which may reach the next one. Returns whether anything was
-        /// refunded.
-        pub(crate) fn drain<M: Mode, C: Clock>(
-            &self,
-            bucket: &SharedTokenBucket<M, C>,
-            force: bool,
-        ) -> bool {
-            let mut inner = self.lock();
-            let mut refunded = false;
-            while let Some((&off, _)) = inner.map.first_key_value() {
-                let start = inner.base.wrapping_add(off);
-                if !force && bucket.deficiency(start) != 0 {
-                    break;
-                }
-                let tokens = inner.map.remove(&off).unwrap_or(0);
-                // SeqCst: as the store in `give_back` (the count only changes under the lock).
-                self.len.store(inner.map.len() as u64, Ordering::SeqCst);
-                bucket.refund(tokens);
-                refunded = true;
-            }
-            refunded
-        }
-    }
-
-    impl Default for DeferredGiveBacks {
-        fn default() -> Self {
-            Self::new()
-        }
-    }
-
-    impl fmt::Debug for DeferredGiveBacks {
-        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            f.debug_struct("DeferredGiveBacks")
-                .field("len", &self.len())
-                .finish()
-        }
-    }
-}
-
-pub(crate) use deferred::DeferredGiveBacks;
 
 #[cfg(test)]
 mod tests {

@@ -12,7 +12,7 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncSeekExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::time::Instant;
 
-use iothrottle::adapter::{BlockingThrottle, ThrottleExt, ThrottledIo};
+use iothrottle::adapter::{BlockingThrottle, ThrottleExt, ThrottleReadExt, ThrottledIo};
 use iothrottle::{
     BucketConfig, Capped, Clock, ManualClock, Mode, Rate, SharedTokenBucket, Throttle, TokioClock,
     Uncapped,
@@ -92,7 +92,7 @@ async fn bytes_through_the_adapter_stay_within_rate_times_t_plus_burst() {
         }));
     }
     let log_r = log.clone();
-    let mut r = tokio::io::repeat(1).throttled(&t);
+    let mut r = tokio::io::repeat(1).throttled_read(&t);
     tasks.push(tokio::spawn(async move {
         let mut buf = vec![0u8; 10_000];
         loop {
@@ -277,7 +277,7 @@ async fn short_reads_and_end_of_file_refund_what_they_did_not_fill() {
     let mut buf = [0u8; 80];
     assert_eq!(r.read(&mut buf).await.unwrap(), 10);
     assert_eq!(t.bucket().available(), 90);
-    let mut eof = tokio::io::empty().throttled(&t);
+    let mut eof = tokio::io::empty().throttled_read(&t);
     assert_eq!(eof.read(&mut buf).await.unwrap(), 0);
     assert_eq!(t.bucket().available(), 90);
 }
@@ -455,4 +455,159 @@ fn blocking_request_on_a_capped_bucket_completes_every_piece() {
     assert_eq!(clock.now(), Duration::from_millis(950));
     let s = throttle.bucket().snapshot();
     assert_eq!(s.ceil.unwrap().wrapping_sub(s.tail), 100);
+}
+
+/// A write cancelled by `timeout` while the writer lives on (kept for later) holds no claim in
+/// line: another user's `acquire(100)` waits for its own 100 tokens (100 ms), not behind the
+/// cancelled 1,000 (1.1 s). The writer works afterwards, in line behind that user.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_write_cancelled_while_the_writer_lives_leaves_no_claim_in_line() {
+    let t = throttle::<Uncapped>(1_000, 1_000);
+    let mut w = tokio::io::sink().throttled(&t);
+    let start = Instant::now();
+    w.write_all(&[0u8; 1_000]).await.unwrap(); // empties the bucket
+    let cancelled =
+        tokio::time::timeout(Duration::from_millis(10), w.write_all(&[0u8; 1_000])).await;
+    assert!(cancelled.is_err());
+    let _p = t.acquire(100).await.unwrap();
+    assert_eq!(start.elapsed(), Duration::from_millis(100));
+    // The writer, used again: 1,000 more tokens after the 1,100 claimed so far.
+    w.write_all(&[0u8; 1_000]).await.unwrap();
+    assert_eq!(start.elapsed(), Duration::from_millis(1_100));
+}
+
+/// A read granted 1,000 tokens that moved 10 bytes gives 990 back at once, and the waiter
+/// behind it is woken for them: served when the bytes came (500 ms), not at its own timer
+/// (1 s).
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_short_read_wakes_the_waiter_behind_it() {
+    let t = throttle::<Uncapped>(1_000, 1_000);
+    let start = Instant::now();
+    let (mut tx, rx) = tokio::io::duplex(64);
+    let mut r = rx.throttled(&t);
+    let reader = tokio::spawn(async move {
+        let mut buf = [0u8; 1_000];
+        r.read(&mut buf).await.unwrap()
+    });
+    // The reader holds the full bucket while its inner read waits for data.
+    while t.bucket().available() != 0 || t.bucket().snapshot().tail == 0 {
+        tokio::task::yield_now().await;
+    }
+    let t2 = t.clone();
+    let waiter = tokio::spawn(async move {
+        let _p = t2.acquire(1_000).await.unwrap();
+        start.elapsed()
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    tx.write_all(&[1u8; 10]).await.unwrap();
+    assert_eq!(reader.await.unwrap(), 10);
+    // 500 tokens accrued + 990 given back ≥ the waiter's 1,000.
+    assert_eq!(waiter.await.unwrap(), Duration::from_millis(500));
+}
+
+/// Another crate's `.throttled()` on every type: with `ThrottleExt` and `ThrottleReadExt` in
+/// scope, a value that is no I/O object still resolves to it (the adapters' traits are
+/// implemented for `AsyncWrite` and `AsyncRead` only; were they on every type, this would not
+/// compile: "multiple applicable items in scope").
+trait OtherThrottled {
+    fn throttled(&self) -> &'static str {
+        "other"
+    }
+    fn throttled_read(&self) -> &'static str {
+        "other"
+    }
+}
+impl<T> OtherThrottled for T {}
+
+/// Whether `T` has `ThrottleExt` (an inherent const wins over the trait's fallback only when
+/// the bound holds).
+struct Probe<T>(std::marker::PhantomData<T>);
+trait Fallback {
+    const WRITE: bool = false;
+    const READ: bool = false;
+}
+impl<T> Fallback for Probe<T> {}
+impl<T: ThrottleExt> Probe<T> {
+    const WRITE: bool = true;
+}
+struct ReadProbe<T>(std::marker::PhantomData<T>);
+impl<T> Fallback for ReadProbe<T> {}
+impl<T: ThrottleReadExt> ReadProbe<T> {
+    const READ: bool = true;
+}
+
+#[test]
+fn the_throttled_methods_are_only_on_io_objects() {
+    assert_eq!(5u32.throttled(), "other");
+    assert_eq!(String::new().throttled_read(), "other");
+    // Checked at compile time.
+    const {
+        assert!(!Probe::<u32>::WRITE && !ReadProbe::<u32>::READ);
+        assert!(!Probe::<tokio::io::Repeat>::WRITE, "Repeat only reads");
+        assert!(ReadProbe::<tokio::io::Repeat>::READ);
+        assert!(Probe::<tokio::io::Sink>::WRITE && !ReadProbe::<tokio::io::Sink>::READ);
+        assert!(
+            Probe::<tokio::io::DuplexStream>::WRITE && ReadProbe::<tokio::io::DuplexStream>::READ
+        );
+    }
+}
+
+/// Writers and readers on one capped throttle, each operation given up after a seeded random
+/// timeout (while asleep without a claim, while in line, or never), the adapters kept and
+/// reused or dropped at random: the bytes stay within `rate × t + limit`, and once every adapter
+/// is gone every grabbed token was released or refunded exactly once (`ceil = tail + limit`).
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn random_cancellations_of_adapter_operations_leak_nothing() {
+    let t = throttle::<Capped>(10_000, 1_000);
+    let log = Log::default();
+    let start = Instant::now();
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        seed ^= seed >> 12;
+        seed ^= seed << 25;
+        seed ^= seed >> 27;
+        seed.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    };
+    let mut writers: Vec<_> = (0..4)
+        .map(|_| LogSink(log.clone()).throttled(&t).with_max_chunk(400))
+        .collect();
+    let mut readers: Vec<_> = (0..2)
+        .map(|_| tokio::io::repeat(1).throttled_read(&t).with_max_chunk(300))
+        .collect();
+    let mut buf = vec![0u8; 700];
+    for _ in 0..400 {
+        let r = next();
+        let timeout = Duration::from_micros(r % 200_000);
+        let len = 1 + (r >> 20) as usize % 700;
+        if r & 1 == 0 {
+            let w = &mut writers[(r >> 8) as usize % 4];
+            let _ = tokio::time::timeout(timeout, w.write_all(&buf[..len])).await;
+        } else {
+            let rd = &mut readers[(r >> 8) as usize % 2];
+            if let Ok(n) = tokio::time::timeout(timeout, rd.read(&mut buf[..len])).await {
+                log.push(n.unwrap() as u64);
+            }
+        }
+        if (r >> 40) % 16 == 0 {
+            // Replace one writer: a dropped adapter gives back whatever it held.
+            writers[(r >> 44) as usize % 4] =
+                LogSink(log.clone()).throttled(&t).with_max_chunk(400);
+        }
+    }
+    let moved = log.check_bound(start, 10_000, 1_000);
+    // The cancellations cost no throughput: the bucket was kept busy (virtual time, exact).
+    let elapsed = start.elapsed();
+    assert!(
+        moved as f64 >= 0.9 * 10_000.0 * elapsed.as_secs_f64(),
+        "{moved} bytes in {elapsed:?}"
+    );
+    drop(writers);
+    drop(readers);
+    let s = t.bucket().snapshot();
+    assert_eq!(
+        s.ceil.unwrap().wrapping_sub(s.tail),
+        1_000,
+        "every grabbed token was released or refunded exactly once: {s:?}"
+    );
+    assert_eq!(t.bucket().deferred_give_backs(), 0);
 }

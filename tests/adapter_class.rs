@@ -78,3 +78,30 @@ async fn a_shut_down_dispatcher_fails_the_io() {
     d.shutdown();
     assert!(w.write(&[0u8; 10]).await.is_err());
 }
+
+/// Many 1-byte writes through a `BufWriter` of one chunk around the `ClassIo` (as its docs say)
+/// cost one ticket per chunk, not one per write, and every byte arrives once.
+#[tokio::test(flavor = "current_thread")]
+async fn small_writes_through_a_buffer_of_one_chunk_cost_one_ticket_per_chunk() {
+    let (d, _, bg) = dispatcher();
+    let io = ClassIo::new(Vec::new(), d.clone(), bg).unwrap();
+    let (_, max_write) = io.max_chunks();
+    let mut w = tokio::io::BufWriter::with_capacity(max_write as usize, io);
+    let n: u64 = 3 * max_write + 17;
+    for i in 0..n {
+        w.write_all(&[i as u8]).await.unwrap();
+    }
+    w.flush().await.unwrap();
+    let data = w.into_inner().into_inner();
+    assert_eq!(data.len() as u64, n);
+    assert!(data.iter().enumerate().all(|(i, &b)| b == i as u8));
+    let stats = d.stats().await;
+    let class = &stats.classes[bg.index()];
+    assert_eq!(class.bytes, n, "every byte charged once");
+    assert_eq!(
+        class.requests,
+        n.div_ceil(max_write),
+        "one ticket per chunk"
+    );
+    d.shutdown();
+}

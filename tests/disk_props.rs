@@ -128,3 +128,22 @@ fn calibrated_file_loads_for_its_directory() {
     assert_eq!(model, d.disk_model());
     model.validate().unwrap();
 }
+
+#[test]
+fn a_byte_order_mark_before_the_first_key_is_accepted() {
+    let text = std::fs::read_to_string(IOTUNE).unwrap();
+    let with_bom = format!("\u{feff}{text}");
+    assert_eq!(
+        IoProperties::parse(&with_bom).unwrap(),
+        IoProperties::parse(&text).unwrap()
+    );
+    let dir = std::env::temp_dir().join(format!("iothrottle-bom-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("io_properties.yaml");
+    std::fs::write(&file, with_bom.as_bytes()).unwrap();
+    assert_eq!(
+        IoProperties::load(&file).unwrap(),
+        IoProperties::load(IOTUNE).unwrap()
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -1448,3 +1448,37 @@ fn spawn_picks_the_shard_with_the_fewest_running_tasks() {
     assert_eq!(spread.len(), 2);
     d.shutdown();
 }
+
+/// A split request whose size asks for more pieces than one request may have is a typed error
+/// at once: nothing is allocated for it (a `u64::MAX` write would be ~10^14 pieces).
+#[test]
+fn submit_split_of_an_absurd_size_is_a_typed_error_not_an_allocation() {
+    let mut b = Dispatcher::builder().disk(NVME).shards(1);
+    let c = b.add_class(ClassConfig::new("c", 100)).unwrap();
+    let d = b.build().unwrap();
+    let mut made = 0u64;
+    let err = d
+        .submit_split(c, IoRequest::write(u64::MAX), |_| {
+            made += 1;
+            async {}
+        })
+        .unwrap_err();
+    let max = d.max_piece(iothrottle::dispatcher::IoKind::Write).unwrap();
+    assert_eq!(
+        err,
+        SubmitError::TooManyPieces {
+            pieces: u64::MAX.div_ceil(max),
+            max_pieces: iothrottle::dispatcher::MAX_SPLIT_PIECES,
+            max_bytes: max * iothrottle::dispatcher::MAX_SPLIT_PIECES,
+        }
+    );
+    assert_eq!(made, 0, "no piece was made");
+    // One byte over the most pieces: refused too (the boundary itself is a unit test of
+    // `split`).
+    let over = max * iothrottle::dispatcher::MAX_SPLIT_PIECES + 1;
+    assert!(matches!(
+        d.submit_split(c, IoRequest::write(over), |_| async {}),
+        Err(SubmitError::TooManyPieces { .. })
+    ));
+    d.shutdown();
+}

@@ -689,3 +689,72 @@ async fn stats_count_granted_waiting_and_cancelled() {
     let s = th.stats();
     assert_eq!((s.granted_tokens, s.waiting, s.cancelled), (15, 0, 1));
 }
+
+/// Two throttles on one bucket (1 token/s, limit 10): B takes the full bucket, B's next waiter
+/// claims tokens 11..=20, A's claim of 21..=30 is cancelled behind it (its give-back waits for
+/// `head`), then A goes away (`close`d, or every handle dropped). B's waiter must still be
+/// served when its tokens accrue (10 s), not from A's claim: a throttle leaving takes none of
+/// the bucket's order with it, and the bucket never grants more than `limit + rate × t`.
+async fn a_throttle_leaving_a_shared_bucket(close: bool) {
+    let cfg = BucketConfig::new(Rate::per_second(1), 10);
+    let bucket = Arc::new(
+        iothrottle::SharedTokenBucket::<Uncapped, _>::with_clock(cfg, TokioClock::new()).unwrap(),
+    );
+    let a = Throttle::from_bucket(bucket.clone());
+    let b = Throttle::from_bucket(bucket.clone());
+    let start = Instant::now();
+    drain(&b).await;
+    let b_waiter = spawn_acquire(&b, 10, start).await;
+    let a_waiter = spawn_acquire(&a, 10, start).await;
+    a_waiter.abort();
+    assert!(a_waiter.await.unwrap_err().is_cancelled());
+    assert_eq!(
+        bucket.deferred_give_backs(),
+        1,
+        "behind B's waiter: deferred"
+    );
+    if close {
+        a.close();
+    } else {
+        drop(a);
+    }
+    // Nothing was refunded ahead of B's waiter: it still misses all of its 10 tokens.
+    assert_eq!(bucket.snapshot().head, 10);
+    // Wake B's waiter (a rate change does): it must find its tokens missing and sleep on.
+    b.set_rate(Rate::per_second(1)).unwrap();
+    tokio::task::yield_now().await;
+    let (at, _p) = b_waiter.await.unwrap().unwrap();
+    assert_eq!(at, Duration::from_secs(10), "B's waiter at the rate");
+    // 20 tokens granted by 10 s: limit + rate × t. A's claim is back now, as if never made.
+    assert_eq!(bucket.deferred_give_backs(), 0);
+    let _p = b.acquire(10).await.unwrap();
+    assert_eq!(start.elapsed(), Duration::from_secs(20));
+}
+
+#[tokio::test(start_paused = true)]
+async fn dropping_a_throttle_never_serves_another_throttles_waiter_early() {
+    a_throttle_leaving_a_shared_bucket(false).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn closing_a_throttle_never_serves_another_throttles_waiter_early() {
+    a_throttle_leaving_a_shared_bucket(true).await;
+}
+
+/// Waiting only: with an uncapped bucket the permit means nothing once granted, so the call
+/// needs no binding and warns about nothing (a compile-time check: `unused_must_use` is denied
+/// here).
+#[deny(unused_must_use)]
+async fn wait_for(t: &Throttle<Uncapped, TokioClock>, n: u64) -> Result<(), AcquireError> {
+    t.acquire(n).await?;
+    Ok(())
+}
+
+#[tokio::test(start_paused = true)]
+async fn acquire_then_question_mark_compiles_without_a_must_use_warning() {
+    let th = throttle::<Uncapped>(Rate::per_second(1_000), 100, 1);
+    drain(&th).await;
+    let start = Instant::now();
+    wait_for(&th, 50).await.unwrap();
+    assert_eq!(start.elapsed(), 50 * MS);
+}

@@ -102,6 +102,8 @@ impl<M: Mode, C: Clock> BlockingThrottle<M, C> {
         loop {
             let now = bucket.clock().now();
             bucket.replenish_at(now);
+            // Claims given back by others (a cancelled `Throttle` waiter) that `head` reached.
+            bucket.settle_give_backs();
             let missing = bucket.deficiency(tail);
             if missing == 0 {
                 return;

@@ -72,6 +72,46 @@ impl Tickets {
 ///   of the same direction; at most one chunk per direction is left unused at drop (a dispatched
 ///   ticket cannot be refunded).
 /// - `AsyncSeek`, `poll_flush` and `poll_shutdown` pass through. The inner object must be `Unpin`.
+///
+/// # Small operations: wrap it in a buffer
+///
+/// Every operation that needs new credit is one ticket: a round trip through a shard (about
+/// 10 µs), charged one operation of the disk model. A stream of small writes (a log, a
+/// serializer writing field by field) would pay that per write and fall well short of the
+/// class's share. Put a [`tokio::io::BufWriter`] (reads: [`tokio::io::BufReader`]) *outside*
+/// the `ClassIo`, with a capacity of [`max_chunks`](Self::max_chunks): the buffer gathers the
+/// small writes, and each full buffer is one ticket for one chunk, which is also the one
+/// operation the disk model charges for it. Flush (or shut down) the buffer at the end, as with
+/// any `BufWriter`.
+///
+/// ```
+/// use std::sync::Arc;
+/// use tokio::io::{AsyncWriteExt, BufWriter};
+/// use iothrottle::adapter::ClassIo;
+/// use iothrottle::dispatcher::{ClassConfig, DiskModel, Dispatcher};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let mut b = Dispatcher::builder()
+///     .shards(1)
+///     .pin_threads(false)
+///     .disk(DiskModel::new(1 << 30, 1 << 30, 100_000, 100_000));
+/// let log_class = b.add_class(ClassConfig::new("log", 100))?;
+/// let dispatcher = Arc::new(b.build()?);
+///
+/// let file = ClassIo::new(Vec::new(), dispatcher.clone(), log_class)?; // a file in real life
+/// let (_, max_write) = file.max_chunks();
+/// let mut log = BufWriter::with_capacity(max_write as usize, file);
+/// for i in 0..10_000u32 {
+///     log.write_all(&i.to_le_bytes()).await?; // 4 bytes at a time, but not a ticket each
+/// }
+/// log.flush().await?;
+/// let tickets = dispatcher.stats().await.classes[log_class.index()].requests;
+/// assert!(tickets <= 40_000u64.div_ceil(max_write) + 1, "{tickets} tickets");
+/// # dispatcher.shutdown();
+/// # Ok(())
+/// # }
+/// ```
 pub struct ClassIo<T> {
     inner: T,
     dispatcher: Arc<Dispatcher>,

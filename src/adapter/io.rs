@@ -25,8 +25,9 @@ type Wait<M, C> = Pin<Box<dyn Future<Output = Result<Permit<M, C>, AcquireError>
 /// - `credit` tokens were granted by the throttle and not yet spent or given back. It is
 ///   non-zero only while an inner operation returned `Pending` (the next poll reuses it); every
 ///   `Ready` from the inner object settles it: the bytes moved are completed, the rest refunded.
-/// - `wait` is the claim in line for the next grant; dropping it gives its tokens back (the
-///   throttle's cancellation guarantee), so dropping the adapter at any point loses nothing.
+/// - `wait` is the wait for the next grant: first a sleep without a claim, then a claim in line
+///   ([`Throttle::acquire_unclaimed_first`]); dropping it gives any claim back (the throttle's
+///   cancellation guarantee), so dropping the adapter at any point loses nothing.
 struct Gate<M: Mode, C: Clock + 'static> {
     throttle: Throttle<M, C>,
     credit: u64,
@@ -60,8 +61,11 @@ impl<M: Mode, C: Clock + 'static> Gate<M, C> {
                     // The slow path only: a span around the wait (the fast path has none).
                     let throttle = self.throttle.clone();
                     let span = tracing::debug_span!("iothrottle.adapter.wait", tokens = want);
+                    // No claim in line until the tokens are near: this future may be
+                    // dropped with the operation polling it while the adapter lives on.
                     self.wait = Some(Box::pin(
-                        async move { throttle.acquire(want).await }.instrument(span),
+                        async move { throttle.acquire_unclaimed_first(want).await }
+                            .instrument(span),
                     ));
                 }
             }
@@ -85,13 +89,11 @@ impl<M: Mode, C: Clock + 'static> Gate<M, C> {
         let credit = std::mem::take(&mut self.credit);
         debug_assert!(used <= credit);
         let used = used.min(credit);
-        let bucket = self.throttle.bucket();
         if used > 0 {
-            bucket.complete(used);
+            self.throttle.bucket().complete(used);
         }
-        if credit > used {
-            bucket.refund(credit - used);
-        }
+        // Through the throttle: the waiters behind are woken for the tokens that came back.
+        self.throttle.refund_unused(credit - used);
     }
 }
 
@@ -116,8 +118,11 @@ fn closed() -> io::Error {
 ///   over any time `t`, bytes ≤ `rate × t + limit`.
 /// - `max_chunk` is at most the bucket's limit, so a large buffer is split into several
 ///   operations: never an error, never a wait that cannot end.
-/// - Dropping the adapter (or the future polling it) at any point loses no token: a claim in
-///   line is given back in order, credit held across an inner `Pending` is refunded.
+/// - Dropping the adapter (or the future polling it) at any point loses no token: an operation
+///   waiting for its tokens sleeps without a claim until they are near, so a cancelled one holds
+///   nobody up; a claim in line is given back in order when the adapter is dropped; credit held
+///   across an inner `Pending` is refunded. Unused tokens go back through the throttle, which
+///   wakes the waiters behind them.
 /// - `AsyncSeek`, `poll_flush` and `poll_shutdown` pass straight through, unthrottled.
 /// - The inner object must be `Unpin` (files, sockets, `tokio::io::duplex` are); wrap others in
 ///   `Box::pin(inner)`.
@@ -298,7 +303,10 @@ impl<T: AsyncSeek + Unpin, M: Mode, C: Clock + 'static> AsyncSeek for ThrottledI
     }
 }
 
-/// `.throttled(&throttle)` on any value: the one-line way to make a [`ThrottledIo`].
+/// `.throttled(&throttle)` on any [`AsyncWrite`] (a file, a socket, a write half): the one-line
+/// way to make a [`ThrottledIo`]. Its reads are throttled too when it also reads; for objects
+/// that only read, see [`ThrottleReadExt::throttled_read`]. Implemented for the I/O traits only,
+/// so the method appears on nothing else.
 ///
 /// ```
 /// use iothrottle::adapter::ThrottleExt;
@@ -306,11 +314,13 @@ impl<T: AsyncSeek + Unpin, M: Mode, C: Clock + 'static> AsyncSeek for ThrottledI
 ///
 /// # fn main() -> Result<(), iothrottle::ConfigError> {
 /// let throttle: Throttle = Throttle::new(BucketConfig::new(Rate::per_second(50 << 20), 1 << 20))?;
-/// let _reader = tokio::io::empty().throttled(&throttle);
+/// let (a, _b) = tokio::io::duplex(64); // reads and writes: both throttled
+/// let _both = a.throttled(&throttle);
+/// let _writer = tokio::io::sink().throttled(&throttle);
 /// # Ok(())
 /// # }
 /// ```
-pub trait ThrottleExt: Sized {
+pub trait ThrottleExt: AsyncWrite + Sized {
     /// Wraps `self` in a [`ThrottledIo`] drawing on `throttle`.
     fn throttled<M: Mode, C: Clock + 'static>(
         self,
@@ -320,4 +330,31 @@ pub trait ThrottleExt: Sized {
     }
 }
 
-impl<T> ThrottleExt for T {}
+impl<T: AsyncWrite> ThrottleExt for T {}
+
+/// `.throttled_read(&throttle)` on any [`AsyncRead`]: a [`ThrottledIo`] for objects that only
+/// read (a read half, a child's stdout). Objects that also write have
+/// [`ThrottleExt::throttled`], which throttles both directions (the two names keep the call
+/// unambiguous on objects that do both, as `tokio_util`'s `compat` and `compat_write` do).
+///
+/// ```
+/// use iothrottle::adapter::ThrottleReadExt;
+/// use iothrottle::{BucketConfig, Rate, Throttle};
+///
+/// # fn main() -> Result<(), iothrottle::ConfigError> {
+/// let throttle: Throttle = Throttle::new(BucketConfig::new(Rate::per_second(50 << 20), 1 << 20))?;
+/// let _reader = tokio::io::empty().throttled_read(&throttle);
+/// # Ok(())
+/// # }
+/// ```
+pub trait ThrottleReadExt: AsyncRead + Sized {
+    /// Wraps `self` in a [`ThrottledIo`] drawing on `throttle`.
+    fn throttled_read<M: Mode, C: Clock + 'static>(
+        self,
+        throttle: &Throttle<M, C>,
+    ) -> ThrottledIo<Self, M, C> {
+        ThrottledIo::new(self, throttle.clone())
+    }
+}
+
+impl<T: AsyncRead> ThrottleReadExt for T {}

@@ -4,7 +4,8 @@
 //! - [`ThrottledIo`] wraps any `tokio::io::AsyncRead` / `AsyncWrite` (and `AsyncSeek`, passed
 //!   through) so that each byte costs one token of a [`Throttle`](crate::Throttle):
 //!   `ThrottledIo::new(file, throttle.clone())`, or `file.throttled(&throttle)` with
-//!   [`ThrottleExt`]. (Feature `rt`.)
+//!   [`ThrottleExt`] (any `AsyncWrite`; `reader.throttled_read(&throttle)` with
+//!   [`ThrottleReadExt`] for objects that only read). (Feature `rt`.)
 //! - [`ClassIo`] does the same through a [`Dispatcher`](crate::Dispatcher) class: each
 //!   operation is a ticket dispatched in the class's turn, so classes share the disk by their
 //!   shares. (Feature `rt`.)
@@ -34,7 +35,7 @@ pub use blocking::{BlockingThrottle, BlockingThrottled};
 pub use class::ClassIo;
 #[cfg(feature = "rt")]
 #[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
-pub use io::{ThrottleExt, ThrottledIo};
+pub use io::{ThrottleExt, ThrottleReadExt, ThrottledIo};
 
 /// The largest piece one read or write is granted at once when none is configured: 1 MiB (and
 /// never more than the bucket's limit).

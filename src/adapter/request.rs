@@ -1,8 +1,6 @@
 //! [`Throttle::request`]: any cost, waited for piece by piece.
 
-use std::sync::Arc;
-
-use crate::bucket::{Mode, SharedTokenBucket};
+use crate::bucket::Mode;
 use crate::clock::Clock;
 use crate::error::AcquireError;
 use crate::throttle::Throttle;
@@ -10,15 +8,14 @@ use crate::throttle::Throttle;
 /// Tokens granted to an unfinished [`Throttle::request`] (uncapped mode): refunded if the
 /// request is dropped or fails before its last piece.
 struct Granted<'a, M: Mode, C: Clock> {
-    bucket: &'a Arc<SharedTokenBucket<M, C>>,
+    throttle: &'a Throttle<M, C>,
     tokens: u64,
 }
 
 impl<M: Mode, C: Clock> Drop for Granted<'_, M, C> {
     fn drop(&mut self) {
-        if self.tokens > 0 {
-            self.bucket.refund(self.tokens);
-        }
+        // Through the throttle: the waiters behind are woken for the tokens that came back.
+        self.throttle.refund_unused(self.tokens);
     }
 }
 
@@ -54,7 +51,10 @@ impl<M: Mode, C: Clock + 'static> Throttle<M, C> {
     pub async fn request(&self, cost: u64) -> Result<(), AcquireError> {
         let bucket = self.bucket();
         let limit = bucket.limit();
-        let mut granted = Granted { bucket, tokens: 0 };
+        let mut granted = Granted {
+            throttle: self,
+            tokens: 0,
+        };
         let mut left = cost;
         while left > 0 {
             let piece = left.min(limit);

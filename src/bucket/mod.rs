@@ -5,6 +5,7 @@
 //! invariants and the orderings are described in `docs/design.md`, included below.
 #![doc = include_str!("../../docs/design.md")]
 
+mod give_back;
 mod mode;
 mod rate;
 mod rate_cell;
@@ -18,6 +19,7 @@ pub use rate::Rate;
 
 use crate::clock::{Clock, MonotonicClock};
 use crate::error::ConfigError;
+use give_back::GiveBacks;
 use rovers::{Rovers, MAX_TIMESTAMP};
 
 /// How far rover `a` is in front of rover `b`: the wrapping signed difference that every
@@ -159,6 +161,8 @@ impl BucketState {
 pub struct SharedTokenBucket<M: Mode = Uncapped, C: Clock = MonotonicClock> {
     rovers: Rovers<M>,
     clock: C,
+    /// Claims given back before `head` reached them ([`give_back`](Self::give_back)).
+    give_backs: GiveBacks,
 }
 
 impl<M: Mode> SharedTokenBucket<M, MonotonicClock> {
@@ -179,6 +183,7 @@ impl<M: Mode, C: Clock> SharedTokenBucket<M, C> {
         Ok(SharedTokenBucket {
             rovers: Rovers::new(rate, config.limit, config.threshold, 0, now),
             clock,
+            give_backs: GiveBacks::new(),
         })
     }
 
@@ -234,6 +239,7 @@ impl<M: Mode, C: Clock> SharedTokenBucket<M, C> {
                 now,
             ),
             clock,
+            give_backs: GiveBacks::new(),
         })
     }
 
@@ -323,12 +329,65 @@ impl<M: Mode, C: Clock> SharedTokenBucket<M, C> {
     }
 
     /// Gives back `n` grabbed-but-unused tokens; returns how many fitted (the rest would have
-    /// overfilled the bucket and is discarded).
+    /// overfilled the bucket and is discarded). For tokens that were there (a claim met, then
+    /// not used); a claim that may still be waiting goes back through
+    /// [`give_back`](Self::give_back).
     ///
     /// In capped mode the refunded tokens also advance `ceil`: unused tokens were never in
-    /// flight, so they must not hold back the cap.
+    /// flight, so they must not hold back the cap. Deferred give-backs that `head` reaches are
+    /// applied as well.
     pub fn refund(&self, n: u64) -> u64 {
-        self.rovers.refund(n)
+        let fitted = self.rovers.refund(n);
+        self.give_backs.after_head_moved(self);
+        fitted
+    }
+
+    /// Gives back a claim that will never be served: `tail` is what [`grab(n)`](Self::grab)
+    /// returned. Returns whether tokens went back into the bucket now.
+    ///
+    /// If `head` has reached the claim's start, its tokens are refunded now: the claims behind
+    /// it move up. Otherwise claims in front of it are still waiting, and refunding now would
+    /// serve them early; the give-back is deferred until `head` reaches the claim's start, and
+    /// then applied by whoever moves `head` there: a [`refund`](Self::refund), another give-back,
+    /// or [`settle_give_backs`](Self::settle_give_backs) after a replenish (the async and
+    /// blocking throttles call it after theirs). The effect is exactly as if the claim had never
+    /// been made, whoever on the bucket made it and whatever becomes of them.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use iothrottle::{BucketConfig, ManualClock, Rate, SharedTokenBucket, Uncapped};
+    ///
+    /// let clock = ManualClock::new();
+    /// let cfg = BucketConfig::new(Rate::per_second(1), 10);
+    /// let bucket = SharedTokenBucket::<Uncapped, _>::with_clock(cfg, clock.clone())?;
+    /// bucket.replenish(); // 10 tokens
+    /// bucket.grab(10); // taken
+    /// let waiting = bucket.grab(10); // waits for 10 more
+    /// let cancelled = bucket.grab(10); // behind it
+    /// assert!(!bucket.give_back(cancelled, 10)); // deferred: `waiting` is not served early
+    /// assert_eq!(bucket.deficiency(waiting), 10);
+    /// clock.advance(Duration::from_secs(10));
+    /// bucket.replenish(); // `head` reaches `waiting`, and the cancelled claim's start...
+    /// assert!(bucket.settle_give_backs()); // ...so its tokens go back
+    /// assert_eq!(bucket.deficiency(waiting), 0);
+    /// assert_eq!(bucket.deficiency(bucket.grab(5)), 5); // as if it had never been made
+    /// # Ok::<(), iothrottle::ConfigError>(())
+    /// ```
+    pub fn give_back(&self, tail: u64, n: u64) -> bool {
+        self.give_backs.give_back(self, tail.wrapping_sub(n), n)
+    }
+
+    /// Applies the deferred give-backs that `head` has reached (see
+    /// [`give_back`](Self::give_back)); to be called after a replenish by code that shares the
+    /// bucket with give-backs. Returns whether tokens went back into the bucket. One fence and
+    /// one load when nothing is deferred.
+    pub fn settle_give_backs(&self) -> bool {
+        self.give_backs.after_head_moved(self)
+    }
+
+    /// Claims given back and not applied yet (deferred behind claims still waiting).
+    pub fn deferred_give_backs(&self) -> u64 {
+        self.give_backs.len()
     }
 
     /// Reports `n` tokens' worth of completed work, whatever the mode: in [`Capped`] mode this

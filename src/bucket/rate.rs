@@ -328,13 +328,29 @@ impl fmt::Display for Rate {
     }
 }
 
-/// Parses `"50MiB/s"`, `"50 MiB/s"`, `"2GiB/s"`, `"100MB/s"`, `"1000/s"`, `"5/ms"` and
-/// `"7 per 3s"`, and checks the result like a bucket would ([`Rate::validate`]).
+/// Parses `"50MiB/s"`, `"50 MiB/s"`, `"1.5 MiB/s"`, `"2GiB/s"`, `"100MB/s"`, `"1000/s"`,
+/// `"5/ms"` and `"7 per 3s"`, and checks the result like a bucket would ([`Rate::validate`]).
 ///
-/// Grammar: `N [UNIT]/TIME` or `N per M TIME`, spaces optional around the unit, where `N`
-/// and `M` are decimal integers, `UNIT` is one of `B`, `KiB`, `MiB`, `GiB`, `TiB` (binary) or
-/// `kB`/`KB`, `MB`, `GB`, `TB` (decimal), and `TIME` is `s`, `ms`, `us`/`µs` or `ns`. Every
-/// problem is a [`ParseRateError`].
+/// Grammar: `N [UNIT]/TIME` or `N per M TIME`, spaces optional around the unit, where `N` is a
+/// decimal number with an optional fraction (`1.5`) and `M` a decimal integer, `UNIT` is one of
+/// `B`, `KiB`, `MiB`, `GiB`, `TiB` (binary) or `kB`, `MB`, `GB`, `TB` (decimal), and `TIME` is
+/// `s`, `ms`, `us`/`µs` or `ns`. Units and `per` are matched without regard to case, as people
+/// write them (`"50 mib/s"`, `"1 GB/S"`; `MB` is always bytes, never bits).
+///
+/// A fraction is kept exactly, never rounded: `"1.5 MiB/s"` is 1,572,864 tokens per second, and
+/// a fraction of a token is a longer period (`"1.5/s"` is 3 per 2 s, `"0.1/ms"` 1 per 10 ms).
+/// Every problem is a [`ParseRateError`]: an amount or period too large for `u64` (tokens, or
+/// nanoseconds of the period) is [`ParseRateError::Overflow`].
+///
+/// ```
+/// use std::time::Duration;
+/// use iothrottle::Rate;
+///
+/// assert_eq!("1.5 MiB/s".parse::<Rate>()?, Rate::per_second(3 << 19));
+/// assert_eq!("50 mib/s".parse::<Rate>()?, Rate::mib_per_second(50));
+/// assert_eq!("1.5/s".parse::<Rate>()?, Rate::new(3, Duration::from_secs(2)));
+/// # Ok::<(), iothrottle::ParseRateError>(())
+/// ```
 impl FromStr for Rate {
     type Err = ParseRateError;
 
@@ -346,40 +362,49 @@ impl FromStr for Rate {
         let overflow = || ParseRateError::Overflow {
             input: input.to_owned(),
         };
-        let (n, rest) = split_number(s.trim()).ok_or_else(syntax)?;
-        let n = n.parse::<u64>().map_err(|_| overflow())?;
+        let (n, rest) = split_decimal(s.trim()).ok_or_else(syntax)?;
         let rest = rest.trim_start();
-        let rate = if let Some(period) = rest.strip_prefix("per ") {
+        let per = rest
+            .get(..4)
+            .filter(|p| p.eq_ignore_ascii_case("per "))
+            .map(|_| &rest[4..]);
+        // The amount as `tokens / 10^scale` tokens per `period_ns` nanoseconds.
+        let (tokens, period_ns) = if let Some(period) = per {
             let (m, unit) = split_number(period.trim_start()).ok_or_else(syntax)?;
             let m = m.parse::<u128>().map_err(|_| overflow())?;
             let ns = m
                 .checked_mul(time_unit(unit.trim(), input)?)
                 .ok_or_else(overflow)?;
-            let secs = u64::try_from(ns / NANOS_PER_SEC).map_err(|_| overflow())?;
-            Rate::new(n, Duration::new(secs, (ns % NANOS_PER_SEC) as u32))
+            (n.value(1).ok_or_else(overflow)?, ns)
         } else {
             let (unit, time) = rest.split_once('/').ok_or_else(syntax)?;
-            let mult = match unit.trim() {
-                "" | "B" => 1,
-                "KiB" => KIB,
-                "MiB" => MIB,
-                "GiB" => GIB,
-                "TiB" => 1 << 40,
-                "kB" | "KB" => 1_000,
-                "MB" => 1_000_000,
-                "GB" => 1_000_000_000,
-                "TB" => 1_000_000_000_000,
-                other => {
+            let mult = match unit.trim().to_ascii_lowercase().as_str() {
+                "" | "b" => 1,
+                "kib" => KIB,
+                "mib" => MIB,
+                "gib" => GIB,
+                "tib" => 1 << 40,
+                "kb" => 1_000,
+                "mb" => 1_000_000,
+                "gb" => 1_000_000_000,
+                "tb" => 1_000_000_000_000,
+                _ => {
                     return Err(ParseRateError::UnknownUnit {
                         input: input.to_owned(),
-                        unit: other.to_owned(),
+                        unit: unit.trim().to_owned(),
                     })
                 }
             };
-            let tokens = n.checked_mul(mult).ok_or_else(overflow)?;
             let ns = time_unit(time.trim(), input)?;
-            Rate::new(tokens, Duration::from_nanos(ns as u64))
+            (n.value(mult).ok_or_else(overflow)?, ns)
         };
+        // tokens / 10^scale per period_ns, in lowest terms: exact.
+        let den = 10u128.pow(n.scale);
+        let g = gcd(tokens, den).max(1);
+        let tokens = u64::try_from(tokens / g).map_err(|_| overflow())?;
+        let ns = period_ns.checked_mul(den / g).ok_or_else(overflow)?;
+        let secs = u64::try_from(ns / NANOS_PER_SEC).map_err(|_| overflow())?;
+        let rate = Rate::new(tokens, Duration::new(secs, (ns % NANOS_PER_SEC) as u32));
         rate.validate().map_err(|source| ParseRateError::Invalid {
             input: input.to_owned(),
             source,
@@ -388,22 +413,63 @@ impl FromStr for Rate {
     }
 }
 
+/// A decimal number as written: `digits / 10^scale`.
+struct Decimal {
+    digits: u128,
+    scale: u32,
+}
+
+impl Decimal {
+    /// `digits × mult` (the amount times 10^scale), `None` on overflow.
+    fn value(&self, mult: u64) -> Option<u128> {
+        self.digits.checked_mul(mult as u128)
+    }
+}
+
+/// The leading decimal number of `s` (`12`, `1.5`; at least one digit before the point and one
+/// after it, at most 18 after it) and the rest.
+fn split_decimal(s: &str) -> Option<(Decimal, &str)> {
+    let (int, rest) = split_number(s)?;
+    let (frac, rest) = match rest.strip_prefix('.') {
+        Some(after) => split_number(after)?,
+        None => ("", rest),
+    };
+    if frac.len() > 18 {
+        return None;
+    }
+    let digits = format!("{int}{frac}").parse::<u128>().unwrap_or(u128::MAX);
+    Some((
+        Decimal {
+            digits,
+            scale: frac.len() as u32,
+        },
+        rest,
+    ))
+}
+
+fn gcd(mut a: u128, mut b: u128) -> u128 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
 /// The leading decimal digits of `s` (at least one) and the rest.
 fn split_number(s: &str) -> Option<(&str, &str)> {
     let end = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
     (end > 0).then(|| s.split_at(end))
 }
 
-/// Nanoseconds in one `unit` of time.
+/// Nanoseconds in one `unit` of time (any case).
 fn time_unit(unit: &str, input: &str) -> Result<u128, ParseRateError> {
-    match unit {
+    match unit.to_lowercase().as_str() {
         "s" => Ok(NANOS_PER_SEC),
         "ms" => Ok(1_000_000),
-        "us" | "µs" => Ok(1_000),
+        "us" | "µs" | "μs" => Ok(1_000),
         "ns" => Ok(1),
-        other => Err(ParseRateError::UnknownUnit {
+        _ => Err(ParseRateError::UnknownUnit {
             input: input.to_owned(),
-            unit: other.to_owned(),
+            unit: unit.to_owned(),
         }),
     }
 }
@@ -727,6 +793,51 @@ mod tests {
         assert_eq!(ok("5/µs"), Rate::new(5, Duration::from_micros(1)));
         assert_eq!(ok("7 per 3s"), Rate::new(7, Duration::from_secs(3)));
         assert_eq!(ok("7 per 3 s"), Rate::new(7, Duration::from_secs(3)));
+    }
+
+    #[test]
+    fn parse_keeps_fractions_exact() {
+        let ok = |s: &str| s.parse::<Rate>().unwrap();
+        assert_eq!(ok("1.5 MiB/s"), Rate::per_second(3 << 19));
+        assert_eq!(ok("1.5MiB/s"), Rate::per_second(1_572_864));
+        assert_eq!(ok("2.50 KiB/s"), Rate::per_second(2_560));
+        assert_eq!(ok("0.5 GB/s"), Rate::per_second(500_000_000));
+        assert_eq!(ok("1.0/s"), Rate::per_second(1));
+        // A fraction of a token per period is a longer period, exactly.
+        assert_eq!(ok("1.5/s"), Rate::new(3, Duration::from_secs(2)));
+        assert_eq!(ok("1.3/s"), Rate::new(13, Duration::from_secs(10)));
+        assert_eq!(ok("0.1/ms"), Rate::new(1, Duration::from_millis(10)));
+        assert_eq!(ok("2.5 per 3s"), Rate::new(5, Duration::from_secs(6)));
+        // The rate is exactly the decimal written: 1.000001 B/s is 1,000,001 per 10^6 s.
+        assert_eq!(
+            ok("1.000001/s").cmp_rate(&Rate::new(1_000_001, Duration::from_secs(1_000_000))),
+            std::cmp::Ordering::Equal
+        );
+        use crate::error::ParseRateError as E;
+        let err = |s: &str| s.parse::<Rate>().unwrap_err();
+        assert!(matches!(err("1./s"), E::Syntax { .. }));
+        assert!(matches!(err(".5/s"), E::Syntax { .. }));
+        assert!(matches!(err("1.5.5/s"), E::UnknownUnit { unit, .. } if unit == ".5"));
+        assert!(matches!(err("1.0000000000000000001/s"), E::Syntax { .. }));
+        assert!(matches!(err("0.0/s"), E::Invalid { .. }));
+        assert!(matches!(err("16777216.5 TiB/s"), E::Overflow { .. }));
+        assert!(matches!(
+            err("0.000000000000000001 per 18446744073s"),
+            E::Overflow { .. } | E::Invalid { .. }
+        ));
+    }
+
+    #[test]
+    fn parse_units_ignore_case() {
+        let ok = |s: &str| s.parse::<Rate>().unwrap();
+        assert_eq!(ok("50 mib/s"), Rate::mib_per_second(50));
+        assert_eq!(ok("50 MIB/S"), Rate::mib_per_second(50));
+        assert_eq!(ok("64 kib/s"), Rate::kib_per_second(64));
+        assert_eq!(ok("64 kb/s"), Rate::per_second(64_000));
+        assert_eq!(ok("1 Gb/s"), Rate::per_second(1_000_000_000));
+        assert_eq!(ok("10 b/MS"), Rate::per_millisecond(10));
+        assert_eq!(ok("5/US"), Rate::new(5, Duration::from_micros(1)));
+        assert_eq!(ok("7 PER 3 S"), Rate::new(7, Duration::from_secs(3)));
     }
 
     #[test]

@@ -336,6 +336,7 @@ struct Draft {
 }
 
 fn parse(text: &str, path: &Path) -> Result<IoProperties, PropertiesError> {
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text); // a UTF-8 byte-order mark
     let mut lines = Vec::new();
     for (i, raw) in text.lines().enumerate() {
         if raw.contains('\t') && raw.trim_start().starts_with('\t') {

@@ -205,6 +205,33 @@ pub(crate) fn cap_bucket(rate: Rate, clock: &ArcClock) -> Result<CapBucket, crat
     SharedTokenBucket::with_clock(cfg, clock.clone())
 }
 
+/// The cap bucket that replaces `old` for a cap of `rate`: `None` when `rate` is the cap `old`
+/// already has (re-applying a cap changes nothing). Otherwise a bucket for the new rate that
+/// holds what `old` held now (counted up to now at the old rate, at most the new burst): a
+/// changed cap carries the class's recent use over instead of starting with a full burst on
+/// top of it. Without an old cap, a new one starts full (as at build).
+pub(crate) fn next_cap_bucket(
+    rate: Rate,
+    clock: &ArcClock,
+    old: Option<&CapBucket>,
+) -> Result<Option<CapBucket>, crate::ConfigError> {
+    let fresh = cap_bucket(rate, clock)?;
+    let Some(old) = old else {
+        return Ok(Some(fresh));
+    };
+    if old.rate().cmp_rate(&rate).is_eq() {
+        return Ok(None);
+    }
+    old.replenish();
+    let held = old.available().min(fresh.limit());
+    let state = crate::bucket::BucketState {
+        tail: 0,
+        head: held,
+        ceil: None,
+    };
+    SharedTokenBucket::from_state(fresh.config(), clock.clone(), state).map(Some)
+}
+
 /// One class's shared state.
 pub(crate) struct ClassShared {
     /// The configuration as built (name and tier are fixed; shares and cap may change since:
@@ -324,10 +351,29 @@ impl Classes {
     }
 
     /// Replaces the class's cap bucket.
+    #[cfg(test)]
     pub(crate) fn set_cap(&self, class: usize, cap: Option<Arc<CapBucket>>) {
-        match self.classes[class].cap.write() {
-            Ok(mut c) => *c = cap,
-            Err(poisoned) => *poisoned.into_inner() = cap,
+        self.update_cap(class, |_| Ok::<_, ()>(Some(cap))).ok();
+    }
+
+    /// Replaces the class's cap bucket with what `next` makes of the current one (`None`: keep
+    /// it), under the lock, so that concurrent changes each start from the other's result.
+    /// Returns whether it changed.
+    pub(crate) fn update_cap<E>(
+        &self,
+        class: usize,
+        next: impl FnOnce(Option<&CapBucket>) -> Result<Option<Option<Arc<CapBucket>>>, E>,
+    ) -> Result<bool, E> {
+        let mut guard = match self.classes[class].cap.write() {
+            Ok(c) => c,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        match next(guard.as_deref())? {
+            Some(cap) => {
+                *guard = cap;
+                Ok(true)
+            }
+            None => Ok(false),
         }
     }
 

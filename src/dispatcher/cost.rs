@@ -265,18 +265,29 @@ impl fmt::Debug for Piece {
 /// issued with `O_DIRECT` (which needs 512 B or 4 KiB alignment).
 pub const SPLIT_ALIGN: u64 = 4096;
 
+/// The most pieces one split request may have: each piece is a task and a handle, made at
+/// submission, so the count a request's size asks for is checked before anything is allocated.
+/// 65,536 pieces are 256 MiB in 4 KiB pieces, 8 GiB in 128 KiB ones.
+pub const MAX_SPLIT_PIECES: u64 = 1 << 16;
+
 /// Splits `bytes` into consecutive pieces of at most `max` bytes (`max` a positive multiple of
 /// [`SPLIT_ALIGN`], or `u64::MAX` for one piece), as few as possible and of equal length rounded
 /// up to [`SPLIT_ALIGN`] (the last one takes the rest). An empty request is one empty piece.
-pub(crate) fn split(bytes: u64, max: u64) -> Vec<Piece> {
+///
+/// More than [`MAX_SPLIT_PIECES`] pieces is `Err` with the number of pieces it would take:
+/// nothing is allocated for a count that comes from a caller's size.
+pub(crate) fn split(bytes: u64, max: u64) -> Result<Vec<Piece>, u64> {
     debug_assert!(max == u64::MAX || (max > 0 && max.is_multiple_of(SPLIT_ALIGN)));
     if bytes == 0 {
-        return vec![Piece {
+        return Ok(vec![Piece {
             range: 0..0,
             index: 0,
-        }];
+        }]);
     }
     let n = bytes.div_ceil(max);
+    if n > MAX_SPLIT_PIECES {
+        return Err(n);
+    }
     // ceil(bytes / n) <= max, and rounding up to the alignment stays <= max (a multiple of it).
     let size = if n == 1 {
         bytes
@@ -293,7 +304,7 @@ pub(crate) fn split(bytes: u64, max: u64) -> Vec<Piece> {
         });
         start = end;
     }
-    out
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -332,18 +343,30 @@ mod tests {
 
     #[test]
     fn split_covers_the_request() {
-        let p = split(10 << 12, 4 << 12);
+        let p = split(10 << 12, 4 << 12).unwrap();
         let ranges: Vec<_> = p.iter().map(|p| p.range.clone()).collect();
         // Three pieces, as even as 4 KiB blocks allow.
         assert_eq!(
             ranges,
             vec![0..4 << 12, 4 << 12..8 << 12, 8 << 12..10 << 12]
         );
-        let p = split(1 << 20, 400 << 10);
+        let p = split(1 << 20, 400 << 10).unwrap();
         let lens: Vec<_> = p.iter().map(Piece::len).collect();
         assert_eq!(lens, vec![344 << 10, 344 << 10, 336 << 10]);
-        assert_eq!(split(0, 4096).len(), 1);
-        assert_eq!(split(5000, u64::MAX).len(), 1);
+        assert_eq!(split(0, 4096).unwrap().len(), 1);
+        assert_eq!(split(5000, u64::MAX).unwrap().len(), 1);
+    }
+
+    #[test]
+    fn split_refuses_more_pieces_than_it_may_allocate() {
+        assert_eq!(split(u64::MAX, 4096), Err(u64::MAX.div_ceil(4096)));
+        let most = MAX_SPLIT_PIECES * 4096;
+        assert_eq!(
+            split(most, 4096).map(|p| p.len() as u64),
+            Ok(MAX_SPLIT_PIECES)
+        );
+        assert_eq!(split(most + 1, 4096), Err(MAX_SPLIT_PIECES + 1));
+        assert_eq!(split(u64::MAX, u64::MAX).map(|p| p.len()), Ok(1));
     }
 
     /// Pieces of `submit_split` start at 4 KiB multiples, not at the exact byte that fits the
@@ -358,7 +381,7 @@ mod tests {
             .max_bytes_within(IoKind::Write, 500_000)
             .unwrap()
             .is_multiple_of(SPLIT_ALIGN));
-        for p in split(1 << 20, max) {
+        for p in split(1 << 20, max).unwrap() {
             assert_eq!(p.range.start % SPLIT_ALIGN, 0, "{p:?}");
             assert!(p.len() <= max);
             assert!(d.cost(&IoRequest::write(p.len())) <= 500_000);
@@ -408,7 +431,7 @@ mod tests {
         #[test]
         fn split_is_exact_and_aligned(bytes in 1u64..100_000_000, blocks in 1u64..200) {
             let max = blocks * SPLIT_ALIGN;
-            let pieces = split(bytes, max);
+            let pieces = split(bytes, max).unwrap();
             prop_assert_eq!(pieces.len() as u64, bytes.div_ceil(max));
             let mut at = 0;
             for (i, p) in pieces.iter().enumerate() {

@@ -248,13 +248,16 @@ impl Dispatcher {
     }
 
     /// Sets, changes or removes (`None`) a class's bandwidth cap while running; `rate` counts
-    /// bytes (`Rate::per_second(50 << 20)` is 50 MiB/s). A new cap starts with a full burst
-    /// (100 ms of it), as at build; a request waiting for bytes of the old cap claims them
-    /// again from the new one. Every shard is woken, so the change holds within one
-    /// replenish period.
+    /// bytes (`Rate::per_second(50 << 20)` is 50 MiB/s). Setting the cap the class already has
+    /// (the same rate, however written) changes nothing. A cap set on an uncapped class starts
+    /// with a full burst (100 ms of it), as at build; a changed cap starts with what the old one
+    /// held (at most its own burst), so changing it often never adds bursts; a request waiting
+    /// for bytes of the old cap claims them again from the new one. Every shard is woken on a
+    /// change, so it holds within one replenish period.
     pub fn set_bandwidth_cap(&self, class: ClassId, cap: Option<Rate>) -> Result<(), ControlError> {
-        self.shared.set_bandwidth_cap(class, cap)?;
-        self.wake_shards();
+        if self.shared.set_bandwidth_cap(class, cap)? {
+            self.wake_shards();
+        }
         Ok(())
     }
 
@@ -354,7 +357,10 @@ impl Dispatcher {
     /// and buffer every piece can be issued with `O_DIRECT`.
     ///
     /// A raw token cost ([`IoRequest::tokens`]) cannot be split, nor a request of which not
-    /// even one 4 KiB block fits in `max_cost`: both are [`SubmitError::TooLarge`].
+    /// even one 4 KiB block fits in `max_cost`: both are [`SubmitError::TooLarge`]. A request
+    /// of more than [`MAX_SPLIT_PIECES`](super::MAX_SPLIT_PIECES) pieces is
+    /// [`SubmitError::TooManyPieces`] (each piece is a task made at submission; nothing is
+    /// allocated for such a request).
     pub fn submit_split<F, Fut>(
         &self,
         class: ClassId,
@@ -384,14 +390,19 @@ impl Dispatcher {
     {
         self.check(shard, class)?;
         let cost = self.shared.disk.cost(&request);
-        let pieces = match request.kind() {
-            _ if cost <= self.shared.max_cost => cost::split(request.bytes(), u64::MAX),
+        let (split, max) = match request.kind() {
+            _ if cost <= self.shared.max_cost => (cost::split(request.bytes(), u64::MAX), u64::MAX),
             None => return Err(self.too_large(&request, cost)),
             Some(kind) => match self.max_piece(kind) {
-                Some(max) => cost::split(request.bytes(), max),
+                Some(max) => (cost::split(request.bytes(), max), max),
                 None => return Err(self.too_large(&request, cost)),
             },
         };
+        let pieces = split.map_err(|pieces| SubmitError::TooManyPieces {
+            pieces,
+            max_pieces: cost::MAX_SPLIT_PIECES,
+            max_bytes: max.saturating_mul(cost::MAX_SPLIT_PIECES),
+        })?;
         let mut handles = Vec::with_capacity(pieces.len());
         for piece in pieces {
             let bytes = piece.len();

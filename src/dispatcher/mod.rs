@@ -69,7 +69,7 @@ mod tests;
 
 pub use builder::DispatcherBuilder;
 pub use class::{ClassConfig, ClassId, Priority};
-pub use cost::{DiskModel, IoKind, IoRequest, Piece, SPLIT_ALIGN};
+pub use cost::{DiskModel, IoKind, IoRequest, Piece, MAX_SPLIT_PIECES, SPLIT_ALIGN};
 pub use dispatcher::Dispatcher;
 pub use handle::{IoHandle, SplitHandle};
 pub use spawn::{current_shard, JoinError, ShardHandle, ShardJoinHandle, SpawnError};

@@ -236,19 +236,25 @@ impl Shared {
         Ok(())
     }
 
-    /// Changes a class's cap (the shards then need a wake-up).
+    /// Changes a class's cap; returns whether it changed (the shards then need a wake-up).
+    /// Re-applying the cap the class has is a no-op; a changed cap carries over what the old
+    /// one held (see [`class::next_cap_bucket`]).
     pub(crate) fn set_bandwidth_cap(
         &self,
         class: ClassId,
         cap: Option<Rate>,
-    ) -> Result<(), ControlError> {
+    ) -> Result<bool, ControlError> {
         self.check_class(class)?;
-        let bucket = match cap {
-            None => None,
-            Some(rate) => Some(Arc::new(class::cap_bucket(rate, &self.clock)?)),
-        };
-        self.classes.set_cap(class.0, bucket);
-        self.changed();
-        Ok(())
+        let changed = self.classes.update_cap(class.0, |old| match (cap, old) {
+            (None, None) => Ok(None),
+            (None, Some(_)) => Ok(Some(None)),
+            (Some(rate), old) => Ok::<_, ControlError>(
+                class::next_cap_bucket(rate, &self.clock, old)?.map(|b| Some(Arc::new(b))),
+            ),
+        })?;
+        if changed {
+            self.changed();
+        }
+        Ok(changed)
     }
 }

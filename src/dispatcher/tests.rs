@@ -743,7 +743,9 @@ fn set_bandwidth_cap_sets_changes_and_removes_a_cap() {
     sim.run(100 * MS, DT);
     let free = bytes(&sim);
     let window = |sim: &mut Sim, cap: Option<u64>, until: Duration| {
-        sim.control(|s| s.set_bandwidth_cap(c, cap.map(Rate::per_second)).unwrap());
+        sim.control(|s| {
+            s.set_bandwidth_cap(c, cap.map(Rate::per_second)).unwrap();
+        });
         let before = bytes(sim);
         sim.run(until, DT);
         bytes(sim) - before
@@ -984,7 +986,7 @@ fn one_mib_write_splits_into_aligned_pieces_within_the_goal() {
             .disk
             .max_aligned_bytes_within(IoKind::Write, shared.max_cost)
             .unwrap();
-        let pieces = cost::split(1 << 20, max);
+        let pieces = cost::split(1 << 20, max).unwrap();
         assert_eq!(pieces.iter().map(Piece::len).sum::<u64>(), 1 << 20);
         for p in &pieces {
             assert_eq!(p.range.start % SPLIT_ALIGN, 0);
@@ -1288,4 +1290,51 @@ fn a_request_cancelled_while_its_tokens_accrue_gives_them_back_at_once() {
 /// A waker that does nothing (the test polls by hand).
 fn futures_noop_waker() -> std::task::Waker {
     std::task::Waker::noop().clone()
+}
+
+/// Re-applying a cap every 50 ms (the same value, or alternating between two close values) lets
+/// through no more than the cap over the whole time plus one burst: an unchanged cap is a no-op,
+/// and a changed one carries over what the class just used instead of a fresh full burst.
+#[test]
+fn reapplying_a_cap_often_never_adds_bursts() {
+    for alternate in [false, true] {
+        let mut b = builder(2);
+        let c = class(&mut b, "c", 100);
+        let req = IoRequest::write(64 << 10);
+        let feeds = vec![Feed::new(0, c, req, 16), Feed::new(1, c, req, 16)];
+        let mut sim = Sim::new(b, ManualClock::new(), feeds);
+        let bytes = |sim: &Sim| sim.requests.iter().sum::<u64>() * (64 << 10);
+        let cap = |i: u64| {
+            Rate::per_second(if alternate && i % 2 == 1 {
+                17 << 20
+            } else {
+                16 << 20
+            })
+        };
+        sim.control(|s| {
+            assert!(s.set_bandwidth_cap(c, Some(cap(0))).unwrap());
+        });
+        let before = bytes(&sim);
+        for i in 1..=20u64 {
+            sim.run(Duration::from_millis(50 * i), DT);
+            sim.control(|s| {
+                let changed = s.set_bandwidth_cap(c, Some(cap(i))).unwrap();
+                assert_eq!(changed, alternate, "an unchanged cap is a no-op");
+            });
+        }
+        let got = bytes(&sim) - before;
+        // 1 s at the higher cap, one burst (100 ms of it) and the reservations in flight when
+        // the cap was set (one per shard, up to 4 requests each).
+        let most = (17 << 20) + (17 << 20) / 10 + 8 * (64 << 10);
+        println!(
+            "cap re-applied every 50 ms (alternating: {alternate}): {} KiB in 1 s",
+            got >> 10
+        );
+        assert!(got <= most, "{got} bytes in 1 s, at most {most}");
+        assert!(
+            got >= (16 << 20) * 9 / 10,
+            "{got} bytes in 1 s: the cap still runs"
+        );
+        sim.drain();
+    }
 }
