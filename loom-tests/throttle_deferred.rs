@@ -10,7 +10,7 @@ use loom::thread;
 
 use crate::{Rate, Uncapped};
 
-use crate::common::{at, restored};
+use super::common::{at, restored};
 
 /// Claim A = `(START, START+2]` waits; claim B = `(START+2, START+4]` is cancelled while a
 /// replenish brings `head` to `START+2` (B's start): B's tokens must come back, exactly once.
