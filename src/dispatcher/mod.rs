@@ -55,6 +55,7 @@ mod cost;
 mod dispatcher;
 #[allow(unreachable_pub)] // `pub` for the loom build, which re-exports it (see `loom.rs`)
 pub(crate) mod fair;
+mod fast;
 mod handle;
 mod latency;
 mod queue;
