@@ -716,7 +716,10 @@ pub fn disk(c: &mut Criterion) {
                 cases.retain(|(_, depth, _)| d.parse() == Ok(*depth));
             }
         }
-        let before = [dispatcher.stats_blocking(), parked_dispatcher.stats_blocking()];
+        let before = [
+            dispatcher.stats_blocking(),
+            parked_dispatcher.stats_blocking(),
+        ];
         ratios(&mut cases, &mut rng);
         // The dispatcher's own queue wait (submission to dispatch) over the rounds, per
         // dispatcher (the cases sharing one are pooled): the wake-up of a shard thread shows

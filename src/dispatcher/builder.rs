@@ -152,13 +152,6 @@ impl DispatcherBuilder {
         self
     }
 
-    /// Rate, limit and threshold at once.
-    pub fn bucket(self, config: BucketConfig) -> Self {
-        self.rate(config.rate())
-            .limit(config.limit())
-            .threshold(config.threshold())
-    }
-
     /// The most one request may cost (larger ones are split by
     /// [`Dispatcher::submit_split`] into 4 KiB-aligned pieces, or refused by
     /// [`Dispatcher::submit`]). `1..=limit`; default half the limit.
