@@ -3,6 +3,8 @@
 //!
 //! These run in real time, so they assert on *shares of tokens* and on outcomes, never on
 //! timings. The exact, clock-driven checks of the shard loop are in `src/dispatcher/tests.rs`.
+//! One file over the usual size: every test here drives the same public surface, grouped by
+//! section (submit, shutdown, shares, tasks on the shards, dispatch from the caller's thread).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
