@@ -718,7 +718,31 @@ pub fn disk(c: &mut Criterion) {
                 cases.retain(|(_, depth, _)| d.parse() == Ok(*depth));
             }
         }
+        let before = [
+            dispatcher.stats_blocking(),
+            parked_dispatcher.stats_blocking(),
+        ];
         ratios(&mut cases, &mut rng);
+        // The dispatcher's own queue wait (submission to dispatch) over the rounds, per
+        // dispatcher (the cases sharing one are pooled): the wake-up of a shard thread shows
+        // here, not in the device's time.
+        for ((name, d, c), before) in [
+            ("polling shard", &dispatcher, class),
+            ("parked shard", &parked_dispatcher, parked_class),
+        ]
+        .into_iter()
+        .zip(&before)
+        {
+            let s = d.stats_blocking().since(before);
+            let cs = &s.classes[c.index()];
+            println!(
+                "queue wait, {name}: p50 {:.1} µs, p99 {:.1} µs, max {:.1} µs ({} requests)",
+                cs.queue_wait_p50().as_secs_f64() * 1e6,
+                cs.queue_wait_p99().as_secs_f64() * 1e6,
+                cs.queue_wait_max().as_secs_f64() * 1e6,
+                cs.requests
+            );
+        }
         drop(cases);
         drop(floor_tx);
         floor_thread.join().unwrap();

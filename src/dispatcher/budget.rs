@@ -39,6 +39,12 @@ impl Budget {
         either!(self, b => b.deficiency(tail))
     }
 
+    /// Tokens in the bucket now, 0 when reservations are owed tokens.
+    #[inline]
+    pub(crate) fn available(&self) -> u64 {
+        either!(self, b => b.available())
+    }
+
     #[inline]
     pub(crate) fn replenish_at(&self, now: Duration) -> u64 {
         either!(self, b => b.replenish_at(now))

@@ -38,6 +38,7 @@ pub struct DispatcherBuilder {
     idle_credit: Option<u64>,
     capped: bool,
     pin: bool,
+    caller_dispatch: bool,
     idle_poll: Duration,
     start_hook: Option<runner::StartHook>,
     stop_hook: Option<runner::StopHook>,
@@ -83,6 +84,7 @@ impl DispatcherBuilder {
             idle_credit: None,
             capped: true,
             pin: true,
+            caller_dispatch: false,
             idle_poll: Self::DEFAULT_IDLE_POLL,
             start_hook: None,
             stop_hook: None,
@@ -150,13 +152,6 @@ impl DispatcherBuilder {
         self
     }
 
-    /// Rate, limit and threshold at once.
-    pub fn bucket(self, config: BucketConfig) -> Self {
-        self.rate(config.rate())
-            .limit(config.limit())
-            .threshold(config.threshold())
-    }
-
     /// The most one request may cost (larger ones are split by
     /// [`Dispatcher::submit_split`] into 4 KiB-aligned pieces, or refused by
     /// [`Dispatcher::submit`]). `1..=limit`; default half the limit. While it and the limit
@@ -199,6 +194,26 @@ impl DispatcherBuilder {
     /// unpinned and a `tracing` warning says so.
     pub fn pin_threads(mut self, pin: bool) -> Self {
         self.pin = pin;
+        self
+    }
+
+    /// Dispatch from the caller's thread (default `false`): a request submitted with
+    /// [`Dispatcher::submit`] or [`Dispatcher::submit_to`] from outside the shards that can go
+    /// at once — its tokens are in the bucket, nothing of its class waits anywhere, the shares
+    /// let its class go — is not sent to a shard: its future runs inside its [`IoHandle`] on
+    /// the thread that awaits it, so no shard thread has to wake for it (the tokens, the
+    /// class's fairness and the stats are accounted exactly as for a shard's request). Should
+    /// the handle be dropped before the future ended, the future is sent to the shard and runs
+    /// to its end there.
+    ///
+    /// Off by default because it changes where a request's future runs: on the caller's
+    /// thread and runtime, not on a shard. Turn it on when the futures do not need a shard's
+    /// runtime (a future that spawns onto the shard's `LocalSet`, or relies on the shard's
+    /// io_uring ring, does); use [`Dispatcher::spawn_on`] to run code on a shard.
+    ///
+    /// [`IoHandle`]: super::IoHandle
+    pub fn caller_dispatch(mut self, on: bool) -> Self {
+        self.caller_dispatch = on;
         self
     }
 
@@ -504,6 +519,7 @@ impl DispatcherBuilder {
         );
         shared.gate = gate;
         shared.idle_poll = self.idle_poll;
+        shared.caller_dispatch = self.caller_dispatch;
         Ok((Arc::new(shared), shards))
     }
 }

@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use crate::bucket::{BucketConfig, Rate, SharedTokenBucket, Uncapped};
 use crate::error::BuildError;
-use crate::sync::Arc;
+use crossbeam_utils::CachePadded;
+
+use crate::sync::{Arc, AtomicU64, Ordering};
 
 use super::bound::InFlightBound;
 pub(crate) use super::fair::Ahead;
@@ -260,6 +262,10 @@ pub(crate) struct Classes {
     fair: Fairness,
     /// Latency-target mode, when a class has a target.
     latency: Option<LatencyControl>,
+    /// Per class: requests submitted and not yet dispatched (in a shard's channel, queue or
+    /// reservation), all shards together. Zero means nothing of the class waits anywhere, the
+    /// first condition of a dispatch from the caller's thread.
+    queued: Box<[CachePadded<AtomicU64>]>,
 }
 
 impl Classes {
@@ -297,6 +303,9 @@ impl Classes {
             .collect();
         let targets = classes.iter().map(|c| c.config.latency_target).collect();
         Ok(Classes {
+            queued: (0..classes.len())
+                .map(|_| CachePadded::new(AtomicU64::new(0)))
+                .collect(),
             fair: Fairness::new(&specs, shards, window_tokens, idle_credit_tokens),
             latency: LatencyControl::new(targets, rate, clock)?,
             classes: classes.into_boxed_slice(),
@@ -434,6 +443,34 @@ impl Classes {
         }
     }
 
+    /// One more request of `class` waits (submitted, not yet dispatched).
+    pub(crate) fn queued_add(&self, class: usize) {
+        // AcqRel: one counter, one modification order; a request is counted on its way in
+        // (send, then queue) before it is uncounted from the channel, so the count never reads
+        // zero while it waits.
+        self.queued[class].fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// A request of `class` no longer waits (dispatched, cancelled, or failed).
+    pub(crate) fn queued_sub(&self, class: usize) {
+        // AcqRel: see `queued_add`.
+        self.queued[class].fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// Whether any request of `class` waits anywhere.
+    pub(crate) fn any_queued(&self, class: usize) -> bool {
+        // Acquire: pairs with the AcqRel updates (an advisory count, see `queued_add`).
+        self.queued[class].load(Ordering::Acquire) != 0
+    }
+
+    /// Whether `class` has a bandwidth cap now.
+    pub(crate) fn has_cap(&self, class: usize) -> bool {
+        match self.classes[class].cap.read() {
+            Ok(c) => c.is_some(),
+            Err(poisoned) => poisoned.into_inner().is_some(),
+        }
+    }
+
     /// Tests: the tokens of `class` in flight now.
     #[cfg(test)]
     pub(crate) fn in_flight(&self, class: usize) -> u64 {
@@ -441,6 +478,11 @@ impl Classes {
             .in_flight
             .as_ref()
             .map_or(0, InFlightBound::in_flight)
+    }
+
+    /// See [`Fairness::may_go_now`].
+    pub(crate) fn may_go_now(&self, class: usize, shard: usize) -> Result<(), Ahead> {
+        self.fair.may_go_now(class, shard)
     }
 
     /// See [`Fairness::may_reserve`].

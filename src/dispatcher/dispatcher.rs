@@ -15,6 +15,7 @@ use crate::sync::{Arc, AtomicU64, Ordering};
 
 use super::class::{ClassConfig, ClassId};
 use super::cost::{self, DiskModel, IoKind, IoRequest, Piece};
+use super::fast;
 use super::handle::{IoHandle, SplitHandle};
 use super::queue::Entry;
 use super::runner::{self, Msg, ShutdownMode, StatsReply};
@@ -300,6 +301,27 @@ impl Dispatcher {
         F: Future + Send + 'static,
         F::Output: Send + 'static,
     {
+        if self.shared.caller_dispatch && self.current_shard().is_none() {
+            self.check(shard, class)?;
+            let cost = self.shared.disk.cost(&request);
+            if cost > self.shared.max_cost {
+                return Err(self.too_large(&request, cost));
+            }
+            let now = self.shared.clock.now();
+            if self.shared.try_fast(class.0, shard, cost, now) {
+                let sizes = (cost, request.bytes());
+                let tx = &self.senders[shard];
+                return Ok(fast::dispatch(
+                    &self.shared,
+                    tx,
+                    shard,
+                    class.0,
+                    sizes,
+                    now,
+                    fut,
+                ));
+            }
+        }
         let (task, handle) = task::task(fut);
         self.submit_task_to(shard, class, request, task)?;
         Ok(handle)
@@ -468,9 +490,13 @@ impl Dispatcher {
             submitted: self.shared.clock.now(),
             payload: task,
         };
-        self.senders[shard]
-            .send(Msg::Submit(entry))
-            .map_err(|_| SubmitError::ShutDown)
+        // Waiting from now: a request of its class submitted after it does not overtake it
+        // from its caller's thread (the shard uncounts it from the channel once queued).
+        self.shared.classes.queued_add(class.0);
+        self.senders[shard].send(Msg::Submit(entry)).map_err(|_| {
+            self.shared.classes.queued_sub(class.0);
+            SubmitError::ShutDown
+        })
     }
 
     /// Runs a task of the engine's own on shard `shard`: `f` is sent there and called on the

@@ -340,6 +340,23 @@ impl Fairness {
         );
     }
 
+    /// Whether a request of `class`, which is backlogged nowhere, may be dispatched at once
+    /// from the caller's thread on behalf of `shard` ([`may_reserve`](Self::may_reserve)), after
+    /// the lift a class gets when it becomes backlogged: its virtual time is raised to
+    /// `min − idle_credit` over the competing classes of its tier (or the tier's front), so a
+    /// class served without queueing banks no idle time either.
+    pub fn may_go_now(&self, class: usize, shard: usize) -> Result<(), Ahead> {
+        let c = &self.classes[class];
+        let reference = self
+            .slowest(c.tier, class)
+            .map_or_else(|| self.front(c.tier), |(v, _)| v);
+        raise(
+            &c.vtime,
+            reference.wrapping_sub(virtual_of(self.idle_credit, c.shares())),
+        );
+        self.may_reserve(class, shard)
+    }
+
     /// `shard` no longer has `class` backlogged.
     pub(crate) fn deactivate(&self, class: usize, shard: usize) {
         let c = &self.classes[class];

@@ -18,12 +18,46 @@ use crate::error::DispatchError;
 #[must_use = "dropping the handle cancels the request unless it was already dispatched"]
 pub struct IoHandle<T> {
     rx: oneshot::Receiver<Result<T, DispatchError>>,
+    /// A request dispatched on the caller's thread: its future, run by polling the handle.
+    inline: Option<Inline>,
 }
+
+/// A request's future run by its handle, and where it goes should the handle be dropped first.
+struct Inline {
+    run: BoxFuture,
+    /// Sends `run` to a shard, where it runs to its end.
+    adopt: Box<dyn FnOnce(BoxFuture) + Send>,
+}
+
+/// A request's future, erased, sending its result itself.
+type BoxFuture = Pin<Box<dyn Future<Output = ()> + Send>>;
 
 impl<T> IoHandle<T> {
     /// The handle of the result `rx` receives.
     pub(crate) fn new(rx: oneshot::Receiver<Result<T, DispatchError>>) -> Self {
-        IoHandle { rx }
+        IoHandle { rx, inline: None }
+    }
+
+    /// The handle of a request whose future `run` (which sends its result to `rx`) runs when
+    /// the handle is polled; `adopt` takes it should the handle be dropped before it ended.
+    pub(crate) fn inline(
+        rx: oneshot::Receiver<Result<T, DispatchError>>,
+        run: BoxFuture,
+        adopt: Box<dyn FnOnce(BoxFuture) + Send>,
+    ) -> Self {
+        IoHandle {
+            rx,
+            inline: Some(Inline { run, adopt }),
+        }
+    }
+}
+
+impl<T> Drop for IoHandle<T> {
+    fn drop(&mut self) {
+        if let Some(Inline { run, adopt }) = self.inline.take() {
+            // Dispatched: it runs to its end even without its handle.
+            adopt(run);
+        }
     }
 }
 
@@ -37,7 +71,13 @@ impl<T> Future for IoHandle<T> {
     type Output = Result<T, DispatchError>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match Pin::new(&mut self.rx).poll(cx) {
+        let this = &mut *self;
+        if let Some(inline) = &mut this.inline {
+            if inline.run.as_mut().poll(cx).is_ready() {
+                this.inline = None;
+            }
+        }
+        match Pin::new(&mut this.rx).poll(cx) {
             Poll::Ready(Ok(out)) => Poll::Ready(out),
             // The sender was dropped unsent: the shard went away with the request still queued.
             Poll::Ready(Err(_)) => Poll::Ready(Err(DispatchError::ShutDown)),

@@ -52,6 +52,7 @@ mod cost;
 #[allow(clippy::module_inception)] // the `Dispatcher` type's own file, beside its builder's
 mod dispatcher;
 pub(crate) mod fair;
+mod fast;
 mod handle;
 mod latency;
 mod queue;

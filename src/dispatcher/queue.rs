@@ -215,6 +215,7 @@ impl<P: Payload> Queues<P> {
                 self.release_head_cap(c);
                 self.classes[c].entries.pop_front();
                 self.len -= 1;
+                shared.queued_sub(c);
                 stats[c].cancelled += 1;
                 #[cfg(feature = "metrics")]
                 crate::metrics::class_unqueued(shared.get(c).config.name(), true);

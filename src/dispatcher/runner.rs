@@ -39,6 +39,8 @@ pub(crate) enum Msg {
     ///
     /// [`Dispatcher::spawn_on`]: super::Dispatcher::spawn_on
     Spawn(SpawnJob),
+    /// Run a request dispatched on its caller's thread to its end (its handle was dropped).
+    Adopt(crate::dispatcher::task::BoxFuture),
 }
 
 /// Where a shard sends a copy of its stats.
@@ -344,11 +346,14 @@ async fn run(
 
     let handle = |msg: Msg, closing: &mut Option<ShutdownMode>| match msg {
         Msg::Submit(e) => {
+            let class = e.class;
             if *closing == Some(ShutdownMode::Cancel) {
                 e.payload.fail(DispatchError::ShutDown);
             } else {
                 core.borrow_mut().enqueue(e);
             }
+            // Counted by the sender while in the channel (after the queue counted it).
+            shared.classes.queued_sub(class);
         }
         Msg::Stats(reply) => reply.send(ShardStats {
             shard: index,
@@ -361,6 +366,11 @@ async fn run(
         }
         // The loop polls the core next, which takes up the change.
         Msg::Wake => {}
+        // A request dispatched on its caller's thread whose handle was dropped before it
+        // ended: it runs to its end here.
+        Msg::Adopt(fut) => {
+            tokio::task::spawn_local(fut);
+        }
         // Dropped unrun once shutdown started: its handle resolves to `Cancelled`.
         Msg::Spawn(job) => {
             if closing.is_none() {

@@ -91,6 +91,7 @@ pub(crate) struct ShardCore<P> {
     /// The dispatcher's control generation this shard last took up (see [`Shared::control`]).
     control: u64,
     stats: Vec<ClassRecorder>,
+    shard: usize,
     /// Shard-local: never leaves its thread.
     _local: PhantomData<*const ()>,
 }
@@ -106,6 +107,7 @@ impl<P: Payload> ShardCore<P> {
             replenish_step,
             control: shared.control(),
             stats: (0..n).map(|_| ClassRecorder::new()).collect(),
+            shard,
             shared,
             _local: PhantomData,
         }
@@ -116,6 +118,7 @@ impl<P: Payload> ShardCore<P> {
         debug_assert!(entry.cost <= self.shared.max_cost);
         #[cfg(feature = "metrics")]
         crate::metrics::class_queued(self.shared.classes.get(entry.class).config.name());
+        self.shared.classes.queued_add(entry.class);
         self.queues.push(&self.shared.classes, entry);
     }
 
@@ -222,6 +225,7 @@ impl<P: Payload> ShardCore<P> {
     fn dispatch(&mut self, now: Duration, entries: Vec<Entry<P>>, out: &mut dyn FnMut(Entry<P>)) {
         let mut unused = 0u64;
         for e in entries {
+            self.shared.classes.queued_sub(e.class);
             let rec = &mut self.stats[e.class];
             if e.payload.is_cancelled() {
                 unused += e.cost;
@@ -264,6 +268,9 @@ impl<P: Payload> ShardCore<P> {
             out.extend(res.entries);
         }
         out.extend(self.queues.drain(&self.shared.classes));
+        for e in &out {
+            self.shared.classes.queued_sub(e.class);
+        }
         #[cfg(feature = "metrics")]
         out.iter().for_each(|e| {
             crate::metrics::class_unqueued(self.shared.classes.get(e.class).config.name(), false)
@@ -313,7 +320,14 @@ impl<P: Payload> ShardCore<P> {
             .zip(self.shared.classes.iter())
             .enumerate()
             .zip(queued)
-            .map(|((i, (r, c)), q)| r.snapshot(c.config.name(), self.shared.classes.shares(i), q))
+            .map(|((i, (r, c)), q)| {
+                let mut s = r.snapshot(c.config.name(), self.shared.classes.shares(i), q);
+                // The requests dispatched on their callers' threads for this shard.
+                if let Some(fast) = self.shared.fast_stats(self.shard, i) {
+                    s.merge(&fast);
+                }
+                s
+            })
             .collect()
     }
 }

@@ -329,8 +329,12 @@ impl ShardHandle {
             payload: task,
         };
         let tx = self.ctx.tx.upgrade().ok_or(SubmitError::ShutDown)?;
-        tx.send(Msg::Submit(entry))
-            .map_err(|_| SubmitError::ShutDown)?;
+        // Counted while in the channel, as `Dispatcher::submit` counts it.
+        shared.classes.queued_add(class.0);
+        tx.send(Msg::Submit(entry)).map_err(|_| {
+            shared.classes.queued_sub(class.0);
+            SubmitError::ShutDown
+        })?;
         Ok(handle)
     }
 }

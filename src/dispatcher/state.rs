@@ -3,7 +3,7 @@
 //! still running ([`ExitLatch`]).
 
 use std::fmt;
-use std::sync::{Condvar, Mutex};
+use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
 use crate::bucket::Rate;
@@ -15,7 +15,7 @@ use crate::sync::{Arc, AtomicU64, Ordering};
 use super::budget::Budget;
 use super::class::{self, ClassId, Classes};
 use super::cost::{DiskModel, IoRequest};
-use super::stats::ShardStats;
+use super::stats::{ClassRecorder, ClassStats, ShardStats};
 use super::DispatcherBuilder;
 
 /// The clock every part of a dispatcher reads.
@@ -55,6 +55,12 @@ pub(crate) struct Shared {
     /// How long an idle shard keeps polling after its last activity before it parks
     /// ([`DispatcherBuilder::idle_poll`]).
     pub(crate) idle_poll: Duration,
+    /// Dispatch from the caller's thread when a request can go at once
+    /// ([`DispatcherBuilder::caller_dispatch`]).
+    pub(crate) caller_dispatch: bool,
+    /// Per shard and class (`shard * classes + class`): the requests dispatched on their
+    /// callers' threads on behalf of the shard, merged into its stats.
+    pub(crate) fast: Box<[Mutex<ClassRecorder>]>,
     /// 1 once shutdown started: no new request or task is taken.
     pub(crate) closed: AtomicU64,
     /// One per shard: its spawned tasks not yet ended (see `spawn::Live`).
@@ -140,6 +146,7 @@ impl Shared {
         clock: ArcClock,
         shards: usize,
     ) -> Self {
+        let classes_len = classes.len();
         Shared {
             budget,
             gate: None,
@@ -156,6 +163,10 @@ impl Shared {
             released: (0..shards).map(|_| tokio::sync::Notify::new()).collect(),
             idle_poll: DispatcherBuilder::DEFAULT_IDLE_POLL,
             parks: (0..shards).map(|_| AtomicU64::new(0)).collect(),
+            caller_dispatch: false,
+            fast: (0..shards * classes_len)
+                .map(|_| Mutex::new(ClassRecorder::new()))
+                .collect(),
             closed: AtomicU64::new(0),
             spawned: (0..shards).map(|_| AtomicU64::new(0)).collect(),
         }
@@ -191,6 +202,59 @@ impl Shared {
                 .kind()
                 .and_then(|k| self.disk.max_bytes_within(k, self.max_cost)),
         }
+    }
+
+    /// Whether a request of `class` costing `cost`, submitted from outside the shards for
+    /// `shard`, goes at once from the caller's thread, and if so takes its tokens and charges
+    /// its class. It goes only when nothing could tell it apart from a request the shard
+    /// dispatched at once: no request of its class waits anywhere (FIFO within the class), the
+    /// cross-shard fairness rules let its class reserve now (the shares between classes), its
+    /// in-flight bound has room, and the bucket holds its tokens now (nobody's reservation is
+    /// owed tokens). Not with a checkpoint gate, latency targets or a bandwidth cap on the
+    /// class: those keep the shard's path.
+    pub(crate) fn try_fast(&self, class: usize, shard: usize, cost: u64, now: Duration) -> bool {
+        if !self.caller_dispatch
+            || self.gate.is_some()
+            || self.classes.latency().is_some()
+            || self.classes.any_queued(class)
+            || self.classes.has_cap(class)
+            || self.classes.may_go_now(class, shard).is_err()
+        {
+            return false;
+        }
+        self.budget.replenish_at(now);
+        if self.budget.available() < cost || !self.classes.try_start(class, cost) {
+            return false;
+        }
+        // Another thread may have grabbed since `available`: then this request goes at most
+        // its own cost early, and the bucket's tail carries the debt (later grabs wait for
+        // it), so the rate stays exact.
+        self.budget.grab(cost);
+        self.classes.charge(class, shard, cost);
+        true
+    }
+
+    /// The recorder of the requests dispatched on their callers' threads for `shard`.
+    pub(crate) fn fast_recorder(
+        &self,
+        shard: usize,
+        class: usize,
+    ) -> MutexGuard<'_, ClassRecorder> {
+        let i = shard * self.classes.len() + class;
+        self.fast[i].lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A snapshot of [`fast_recorder`](Self::fast_recorder), when any request was dispatched
+    /// so.
+    pub(crate) fn fast_stats(&self, shard: usize, class: usize) -> Option<ClassStats> {
+        let r = self.fast_recorder(shard, class);
+        (r.requests > 0).then(|| {
+            r.snapshot(
+                self.classes.get(class).config.name(),
+                self.classes.shares(class),
+                0,
+            )
+        })
     }
 
     /// The control generation (see the field).

@@ -219,7 +219,7 @@ impl ClassStats {
     }
 
     /// Adds another shard's figures for the same class.
-    fn merge(&mut self, other: &ClassStats) {
+    pub(crate) fn merge(&mut self, other: &ClassStats) {
         self.requests += other.requests;
         self.bytes += other.bytes;
         self.tokens += other.tokens;

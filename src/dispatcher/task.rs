@@ -6,6 +6,7 @@ use std::any::Any;
 use std::cell::{Cell, RefCell};
 use std::future::Future;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::pin::Pin;
 use std::rc::{Rc, Weak};
 use std::task::Poll;
 use std::time::Duration;
@@ -91,6 +92,9 @@ impl<F> Guarded<F> {
         Guarded { fut: Some(fut) }
     }
 }
+
+/// A request's future, erased, with its result's destination inside.
+pub(crate) type BoxFuture = Pin<Box<dyn Future<Output = ()> + Send>>;
 
 /// Where a request's result goes: its [`IoHandle`] receives it.
 pub(crate) type ResultTx<T> = oneshot::Sender<Result<T, DispatchError>>;

@@ -36,6 +36,9 @@ struct Feed {
     start: Duration,
     stop: Duration,
     outstanding: usize,
+    /// Submitted from outside the shards: a request that can go at once is dispatched on its
+    /// caller's thread (`Shared::try_fast`), as `Dispatcher::submit` does.
+    fast: bool,
 }
 
 impl Feed {
@@ -48,7 +51,13 @@ impl Feed {
             start: Duration::ZERO,
             stop: Duration::MAX,
             outstanding: 0,
+            fast: false,
         }
+    }
+
+    fn submitted_by_callers(mut self) -> Self {
+        self.fast = true;
+        self
     }
 
     fn between(mut self, start: Duration, stop: Duration) -> Self {
@@ -108,6 +117,8 @@ struct Sim {
     polls: u64,
     /// Polls per shard.
     shard_polls: Vec<u64>,
+    /// Requests dispatched on their callers' threads, per feed.
+    fast: Vec<u64>,
 }
 
 impl Sim {
@@ -136,6 +147,7 @@ impl Sim {
             now: Duration::ZERO,
             polls: 0,
             shard_polls: vec![0; shards],
+            fast: vec![0; n],
         }
     }
 
@@ -181,6 +193,7 @@ impl Sim {
                 }
             }
             // Submissions.
+            let mut went = Vec::new();
             for f in 0..self.feeds.len() {
                 let feed = &mut self.feeds[f];
                 if now < feed.start || now >= feed.stop {
@@ -189,6 +202,17 @@ impl Sim {
                 while feed.outstanding < feed.depth {
                     feed.outstanding += 1;
                     let cost = self.shared.disk.cost(&feed.request);
+                    if feed.fast && self.shared.try_fast(feed.class, feed.shard, cost, now) {
+                        went.push(Running {
+                            done_at: now + self.latency,
+                            feed: f,
+                            cost,
+                            shard: feed.shard,
+                            class: feed.class,
+                            times: (now, now),
+                        });
+                        continue;
+                    }
                     self.shards[feed.shard].enqueue(Entry {
                         class: feed.class,
                         cost,
@@ -203,6 +227,17 @@ impl Sim {
                     if self.wake[feed.shard].is_none() {
                         self.wake[feed.shard] = Some(now);
                     }
+                }
+            }
+            for r in went {
+                self.tokens[r.feed] += r.cost;
+                self.requests[r.feed] += 1;
+                self.fast[r.feed] += 1;
+                self.last[r.feed] = now;
+                if self.latency.is_zero() {
+                    self.complete(r, now);
+                } else {
+                    self.running.push(r);
                 }
             }
             // Shards, in an order that rotates so that none is always first.
@@ -1337,4 +1372,105 @@ fn reapplying_a_cap_often_never_adds_bursts() {
         );
         sim.drain();
     }
+}
+
+/// Requests dispatched on their callers' threads next to a backlogged class keep the shares:
+/// a class goes from its caller only while the fairness rules would let its shard reserve for
+/// it, and pays the same virtual time.
+#[test]
+fn requests_from_callers_next_to_a_backlogged_class_keep_4_to_1() {
+    for shards in [1, 2] {
+        let mut b = builder(shards).caller_dispatch(true);
+        let fg = b.add_class(ClassConfig::new("fg", 400)).unwrap();
+        let bg = b.add_class(ClassConfig::new("bg", 100)).unwrap();
+        let req = IoRequest::read(4096);
+        let feeds = vec![
+            Feed::new(0, fg, req, 64).submitted_by_callers(),
+            Feed::new(shards - 1, bg, req, 64),
+        ];
+        let mut sim = Sim::new(b, ManualClock::new(), feeds);
+        sim.latency = Duration::from_micros(100);
+        sim.run(1000 * MS, DT);
+        let r = ratio(sim.tokens[0], sim.tokens[1]);
+        println!(
+            "4:1 with the fast path, {shards} shard(s): {r:.3} ({} of {} fg requests from callers)",
+            sim.fast[0], sim.requests[0]
+        );
+        assert!(sim.fast[0] > 0, "no request went from its caller");
+        assert!((r / 4.0 - 1.0).abs() <= 0.05, "ratio {r}");
+        sim.drain();
+    }
+}
+
+/// A request goes from its caller's thread only when nothing of its class waits (FIFO within
+/// the class) and its tokens are there now.
+#[test]
+fn a_request_goes_from_its_caller_only_with_nothing_of_its_class_waiting() {
+    let clock = ManualClock::new();
+    let mut b = builder(1)
+        .clock(clock.clone())
+        .capped(false)
+        .caller_dispatch(true);
+    let c = b.add_class(ClassConfig::new("c", 100)).unwrap();
+    let other = b.add_class(ClassConfig::new("other", 100)).unwrap();
+    let (shared, _) = b.shared().unwrap();
+    let mut core = ShardCore::<Flag>::new(shared.clone(), 0);
+    let cost = shared.disk.cost(&IoRequest::read(4096));
+    assert!(shared.try_fast(c.0, 0, cost, Duration::ZERO));
+    // One of the class queued: the next waits behind it, even with tokens there.
+    let (entry, _) = flagged(c, cost);
+    core.enqueue(entry);
+    assert!(shared.budget.available() >= cost);
+    assert!(!shared.try_fast(c.0, 0, cost, Duration::ZERO));
+    // Another class is not held by it.
+    assert!(shared.try_fast(other.0, 0, cost, Duration::ZERO));
+    let mut went = 0;
+    assert_eq!(core.poll(Duration::ZERO, &mut |_| went += 1), Next::Idle);
+    assert_eq!(went, 1);
+    assert!(shared.try_fast(c.0, 0, cost, Duration::ZERO));
+    // An empty bucket: the shard's path, which waits for the tokens.
+    shared.budget.grab(shared.budget.available());
+    assert!(!shared.try_fast(c.0, 0, cost, Duration::ZERO));
+    // Off (the default): never.
+    let mut b = builder(1);
+    let c = b.add_class(ClassConfig::new("c", 100)).unwrap();
+    let (shared, _) = b.shared().unwrap();
+    assert!(!shared.try_fast(c.0, 0, cost, Duration::ZERO));
+}
+
+/// The shares hold for requests from callers: a class whose virtual time is ahead of a
+/// backlogged class's by more than the window waits in its shard's queue even with tokens in
+/// the bucket, and a class that was idle banks no credit (its virtual time is lifted as when it
+/// becomes backlogged).
+#[test]
+fn a_request_goes_from_its_caller_only_when_the_shares_let_its_class_go() {
+    let mut b = builder(1).capped(false).caller_dispatch(true);
+    let fg = b.add_class(ClassConfig::new("fg", 400)).unwrap();
+    let bg = b.add_class(ClassConfig::new("bg", 100)).unwrap();
+    let (shared, _) = b.shared().unwrap();
+    let mut core = ShardCore::<Flag>::new(shared.clone(), 0);
+    let cost = shared.disk.cost(&IoRequest::read(4096));
+    shared.budget.replenish_at(Duration::ZERO);
+    // bg backlogged; fg far ahead of it.
+    let (entry, _) = flagged(bg, cost);
+    core.enqueue(entry);
+    shared.classes.charge(fg.0, 0, 100 * shared.batch);
+    assert!(shared.budget.available() >= cost);
+    assert!(!shared.try_fast(fg.0, 0, cost, Duration::ZERO));
+    // bg catches up (it was served a lot): fg may go again.
+    shared.classes.charge(bg.0, 0, 100 * shared.batch);
+    let before = shared.classes.vtime(fg.0);
+    assert!(shared.try_fast(fg.0, 0, cost, Duration::ZERO));
+    assert!(shared.classes.vtime(fg.0) > before, "charged");
+    // fg idle while bg is served far more: its first request from a caller starts from bg's
+    // virtual time less the idle credit, not from where it stopped.
+    shared.classes.charge(bg.0, 0, 10_000 * shared.batch);
+    let bg_v = shared.classes.vtime(bg.0);
+    assert!(shared.try_fast(fg.0, 0, cost, Duration::ZERO));
+    let credit = shared.batch * crate::dispatcher::fair::SCALE / 400;
+    assert!(
+        crate::bucket::ahead(shared.classes.vtime(fg.0), bg_v.wrapping_sub(credit)) >= 0,
+        "fg banked its idle time"
+    );
+    core.drain();
 }
