@@ -345,7 +345,7 @@ impl Fairness {
     /// the lift a class gets when it becomes backlogged: its virtual time is raised to
     /// `min − idle_credit` over the competing classes of its tier (or the tier's front), so a
     /// class served without queueing banks no idle time either.
-    pub fn may_go_now(&self, class: usize, shard: usize) -> Result<(), Ahead> {
+    pub(crate) fn may_go_now(&self, class: usize, shard: usize) -> Result<(), Ahead> {
         let c = &self.classes[class];
         let reference = self
             .slowest(c.tier, class)
