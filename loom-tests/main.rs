@@ -35,5 +35,6 @@ mod grab;
 mod leased;
 mod mixed;
 mod rate;
+mod rate_crash;
 mod replenish;
 mod throttle_deferred;

@@ -325,6 +325,19 @@ impl<M: Mode, C: Clock> SharedTokenBucket<M, C> {
         self.rovers.set_rate(rate.raw().unwrap(), timestamp(now))
     }
 
+    /// Loom models only: [`set_rate`](Self::set_rate) at `now` by a participant that stops
+    /// for ever at step `stop_at` (0: holding a ticket, 1..=12: after that many words of its
+    /// record, 13: published but not closed), or completes if it never gets there. Returns
+    /// what it added, `None` if it stopped.
+    #[cfg(iothrottle_loom)]
+    #[doc(hidden)]
+    pub fn loom_set_rate_stopping_at(&self, rate: Rate, now: Duration, stop_at: u32) -> Option<u64> {
+        self.rovers
+            .set_rate_stopping(rate.raw().unwrap(), timestamp(now), &|step| {
+                rate_cell::step_code(step) == stop_at
+            })
+    }
+
     /// Gives back `n` grabbed-but-unused tokens; returns how many fitted (the rest would have
     /// overfilled the bucket and is discarded).
     ///
@@ -357,7 +370,12 @@ impl<M: Mode, C: Clock> SharedTokenBucket<M, C> {
     /// `floor(old × (s − t₀)) + floor(new × (t − s))` in all. Racing replenishes that read the
     /// clock after this call did may still count up to their own reading at the old rate: the
     /// change then takes effect at a clock reading between this call's start and its return.
-    /// Concurrent `set_rate` calls take turns; replenishers never wait for them.
+    ///
+    /// Lock-free, against other `set_rate` calls too: a caller stopped for ever at any point
+    /// (a thread descheduled, a process killed while sharing the bucket through memory) holds
+    /// back no other change and no replenish; the next `set_rate` closes an interval it left
+    /// open. Progress is guaranteed while fewer than four callers change the rate at the same
+    /// instant (more still proceed unless they keep overtaking each other).
     pub fn set_rate(&self, rate: Rate) -> Result<(), ConfigError> {
         let raw = rate.raw()?;
         self.rovers.set_rate(raw, timestamp(self.clock.now()));
