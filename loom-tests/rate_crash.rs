@@ -59,9 +59,11 @@ fn a_writer_stopped_before_publishing_holds_back_no_rate_change() {
             // old rate first; either way each side at its own rate, nothing lost.
             let at_12 = 7 * 12 / 3 + 5 * (30 - 12) / 2;
             let at_20 = 7 * 20 / 3 + 5 * (30 - 20) / 2;
-            let total = s + r + f;
-            assert!(total == at_12 || total == at_20, "{s} + {r} + {f}");
-            assert_eq!(b.snapshot().head, at(total));
+            // The stopped writer may have closed our change's interval for us before it
+            // stopped (its tokens are in `head`, not in our return values): count `head`.
+            let total = crate::common::ahead(b.snapshot().head, at(0)) as u64;
+            assert!(total == at_12 || total == at_20, "{s} + {r} + {f}: {total}");
+            assert!(s + r + f <= total);
         });
     }
 }
@@ -79,17 +81,18 @@ fn a_writer_stopped_after_publishing_is_closed_by_the_next_change() {
         let s = b.loom_set_rate_at(new(), Duration::from_nanos(12));
         assert_eq!(dead_writer.join().unwrap(), None);
         let f = replenish_at(&*b, 30);
-        let total = s + f;
+        // As above: the stopped writer may have closed our interval for us.
+        let total = crate::common::ahead(b.snapshot().head, at(0)) as u64;
+        assert!(s + f <= total);
         // Stopped writer first: [0, 10) old (closed by our change), [10, 12) at its rate,
         // then ours. Ours first: [0, 12) old, then its rate from 12 (it published last).
         let dead_first = 7 * 10 / 3 + 11 * 2 / 13 + 5 * (30 - 12) / 2;
         let ours_first = 7 * 12 / 3 + 11 * (30 - 12) / 13;
         if b.rate() == new() {
-            assert_eq!(total, dead_first, "{s} + {f}");
+            assert_eq!(total, dead_first, "{s} + {f}: {total}");
         } else {
             assert_eq!(b.rate(), dead());
-            assert_eq!(total, ours_first, "{s} + {f}");
+            assert_eq!(total, ours_first, "{s} + {f}: {total}");
         }
-        assert_eq!(b.snapshot().head, at(total));
     });
 }
