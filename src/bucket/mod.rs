@@ -525,6 +525,8 @@ impl<M: Mode, C: Clock> SharedTokenBucket<M, C> {
 /// A [`SharedTokenBucket`] in shared memory on the [`SystemMonotonicClock`], as
 /// [`open`](SharedTokenBucket::open) makes it (feature `shm`, Unix):
 /// `SharedMemoryBucket::<Uncapped>::open(path, config)`.
+///
+#[doc = include_str!("../../docs/shared-memory.md")]
 #[cfg(all(feature = "shm", unix, not(iothrottle_loom)))]
 #[cfg_attr(docsrs, doc(cfg(feature = "shm")))]
 pub type SharedMemoryBucket<M = Uncapped> = SharedTokenBucket<M, SystemMonotonicClock>;
