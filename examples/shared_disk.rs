@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use iothrottle::dispatcher::{ClassConfig, Dispatcher, DiskModel, IoRequest};
+use iothrottle::dispatcher::{ClassConfig, DiskModel, Dispatcher, IoRequest};
 use iothrottle::{BucketConfig, Clock, Rate, SharedTokenBucket, SystemMonotonicClock, Uncapped};
 
 #[derive(Parser)]
@@ -34,7 +34,10 @@ const COST: u64 = 20_000;
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     let path = args.path.clone().unwrap_or_else(|| {
-        std::path::PathBuf::from(format!("/dev/shm/iothrottle-shared-disk-{}", std::process::id()))
+        std::path::PathBuf::from(format!(
+            "/dev/shm/iothrottle-shared-disk-{}",
+            std::process::id()
+        ))
     });
     let mut second = None;
     if !args.child {
@@ -50,21 +53,35 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let me = if args.child { "process B" } else { "process A" };
     let cfg = BucketConfig::new(Rate::per_second(RATE), 750_000).with_threshold(20_000);
     let clock: Arc<dyn Clock> = Arc::new(SystemMonotonicClock);
-    let bucket = Arc::new(SharedTokenBucket::<Uncapped, _>::open_with_clock(&path, cfg, clock)?);
+    let bucket = Arc::new(SharedTokenBucket::<Uncapped, _>::open_with_clock(
+        &path, cfg, clock,
+    )?);
     let mut b = Dispatcher::builder()
         .disk(DiskModel::symmetric(2_000_000_000, 200_000))
         .shards(1)
         .pin_threads(false)
         .shared_bucket(bucket);
     let classes = [
-        (b.add_class(ClassConfig::new("foreground", 800))?, "foreground"),
-        (b.add_class(ClassConfig::new("background", 200))?, "background"),
+        (
+            b.add_class(ClassConfig::new("foreground", 800))?,
+            "foreground",
+        ),
+        (
+            b.add_class(ClassConfig::new("background", 200))?,
+            "background",
+        ),
     ];
     let d = Arc::new(b.build()?);
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
     let start = Instant::now();
     let end = start + Duration::from_secs(args.secs);
-    let counts: Vec<Arc<AtomicU64>> = classes.iter().map(|_| Arc::new(AtomicU64::new(0))).collect();
+    let counts: Vec<Arc<AtomicU64>> = classes
+        .iter()
+        .map(|_| Arc::new(AtomicU64::new(0)))
+        .collect();
     rt.block_on(async {
         let mut tasks = Vec::new();
         for ((class, _), count) in classes.iter().zip(&counts) {
@@ -73,7 +90,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 let (d, class, count) = (Arc::clone(&d), *class, Arc::clone(count));
                 tasks.push(tokio::spawn(async move {
                     while Instant::now() < end {
-                        d.submit(class, IoRequest::tokens(COST), async {}).unwrap().await.unwrap();
+                        d.submit(class, IoRequest::tokens(COST), async {})
+                            .unwrap()
+                            .await
+                            .unwrap();
                         count.fetch_add(COST, Ordering::Relaxed);
                     }
                 }));
@@ -93,7 +113,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             100.0 * got as f64 / mine.max(1) as f64
         );
     }
-    println!("{me} total: {:.1}% of the disk's rate", 100.0 * mine as f64 / secs / RATE as f64);
+    println!(
+        "{me} total: {:.1}% of the disk's rate",
+        100.0 * mine as f64 / secs / RATE as f64
+    );
     d.shutdown();
     if let Some(second) = second {
         let out = second.wait_with_output()?;

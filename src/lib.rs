@@ -146,16 +146,16 @@ mod sync;
 pub mod throttle;
 
 pub use bucket::{BucketConfig, BucketState, Capped, Mode, Rate, SharedTokenBucket, Uncapped};
+#[cfg(all(feature = "shm", unix, not(iothrottle_loom)))]
+#[cfg_attr(docsrs, doc(cfg(feature = "shm")))]
+pub use bucket::{SharedMemoryBucket, ShmError};
+#[cfg(all(feature = "shm", unix))]
+#[cfg_attr(docsrs, doc(cfg(feature = "shm")))]
+pub use clock::SystemMonotonicClock;
 #[cfg(feature = "rt")]
 #[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
 pub use clock::TokioClock;
 pub use clock::{Clock, ManualClock, MonotonicClock};
-#[cfg(all(feature = "shm", unix))]
-#[cfg_attr(docsrs, doc(cfg(feature = "shm")))]
-pub use clock::SystemMonotonicClock;
-#[cfg(all(feature = "shm", unix, not(iothrottle_loom)))]
-#[cfg_attr(docsrs, doc(cfg(feature = "shm")))]
-pub use bucket::{SharedMemoryBucket, ShmError};
 #[cfg(all(feature = "rt", not(iothrottle_loom)))]
 #[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
 pub use dispatcher::{ClassConfig, ClassId, DiskModel, Dispatcher, IoRequest};

@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use iothrottle::{
-    BucketConfig, Capped, Clock, ManualClock, Rate, SharedMemoryBucket, SharedTokenBucket, ShmError,
-    SystemMonotonicClock, Uncapped,
+    BucketConfig, Capped, Clock, ManualClock, Rate, SharedMemoryBucket, SharedTokenBucket,
+    ShmError, SystemMonotonicClock, Uncapped,
 };
 
 fn cfg() -> BucketConfig {
@@ -62,13 +62,27 @@ fn a_different_configuration_is_refused_naming_the_setting() {
     let path = dir.path().join("b");
     let _a = open(&path, cfg()).unwrap();
     let cases = [
-        (BucketConfig::new(Rate::per_second(1_000_000), 20_000).with_threshold(10), "limit"),
-        (BucketConfig::new(Rate::per_second(1_000_000), 10_000).with_threshold(11), "threshold"),
-        (BucketConfig::new(Rate::per_second(999_999), 10_000).with_threshold(10), "rate"),
+        (
+            BucketConfig::new(Rate::per_second(1_000_000), 20_000).with_threshold(10),
+            "limit",
+        ),
+        (
+            BucketConfig::new(Rate::per_second(1_000_000), 10_000).with_threshold(11),
+            "threshold",
+        ),
+        (
+            BucketConfig::new(Rate::per_second(999_999), 10_000).with_threshold(10),
+            "rate",
+        ),
     ];
     for (other, setting) in cases {
         match open(&path, other) {
-            Err(ShmError::Incompatible { setting: s, ours, theirs, .. }) => {
+            Err(ShmError::Incompatible {
+                setting: s,
+                ours,
+                theirs,
+                ..
+            }) => {
                 assert_eq!(s, setting);
                 assert_ne!(ours, theirs);
             }
@@ -76,7 +90,11 @@ fn a_different_configuration_is_refused_naming_the_setting() {
         }
     }
     match SharedMemoryBucket::<Capped>::open(&path, cfg()) {
-        Err(e @ ShmError::Incompatible { setting: "mode", .. }) => {
+        Err(
+            e @ ShmError::Incompatible {
+                setting: "mode", ..
+            },
+        ) => {
             let msg = e.to_string();
             assert!(msg.contains("uncapped") && msg.contains("capped"), "{msg}");
         }
@@ -84,7 +102,10 @@ fn a_different_configuration_is_refused_naming_the_setting() {
     }
     // An invalid configuration is the configuration's error, before any file is touched.
     let bad = BucketConfig::new(Rate::per_second(1), 0);
-    assert!(matches!(open(&dir.path().join("c"), bad), Err(ShmError::Config(_))));
+    assert!(matches!(
+        open(&dir.path().join("c"), bad),
+        Err(ShmError::Config(_))
+    ));
     assert!(!dir.path().join("c").exists());
 }
 
@@ -100,9 +121,16 @@ fn files_that_are_not_buckets_get_typed_errors() {
         p
     };
     // Empty, short, and foreign files.
-    for (name, data) in [("empty", &b""[..]), ("short", &b"IOT"[..]), ("text", &[b'x'; 4096][..])] {
+    for (name, data) in [
+        ("empty", &b""[..]),
+        ("short", &b"IOT"[..]),
+        ("text", &[b'x'; 4096][..]),
+    ] {
         let p = write(name, data);
-        assert!(matches!(open(&p, cfg()), Err(ShmError::NotABucket { .. })), "{name}");
+        assert!(
+            matches!(open(&p, cfg()), Err(ShmError::NotABucket { .. })),
+            "{name}"
+        );
     }
     // A bucket cut short, in its header and in its state.
     for cut in [40, bytes.len() - 1] {
@@ -121,13 +149,20 @@ fn files_that_are_not_buckets_get_typed_errors() {
     let p = write("v2", &v2);
     assert!(matches!(
         open(&p, cfg()),
-        Err(ShmError::Version { found: 2, expected: 1, .. })
+        Err(ShmError::Version {
+            found: 2,
+            expected: 1,
+            ..
+        })
     ));
     // Another state size (a build for another cache-line size).
     let mut other = bytes.clone();
     other[16..24].copy_from_slice(&1u64.to_le_bytes());
     let p = write("layout", &other);
-    assert!(matches!(open(&p, cfg()), Err(ShmError::Layout { found_size: 1, .. })));
+    assert!(matches!(
+        open(&p, cfg()),
+        Err(ShmError::Layout { found_size: 1, .. })
+    ));
     // Another boot: its clock readings mean nothing now.
     let mut boot = bytes.clone();
     boot[72] ^= 0xff;
@@ -159,7 +194,11 @@ fn racing_creators_all_get_the_one_bucket() {
             .collect();
         let buckets: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
         for b in &buckets {
-            assert_eq!(b.snapshot().tail, 4, "round {round}: a creator got its own bucket");
+            assert_eq!(
+                b.snapshot().tail,
+                4,
+                "round {round}: a creator got its own bucket"
+            );
         }
         assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 1);
     }
@@ -192,5 +231,8 @@ fn the_clock_agrees_across_processes() {
         .unwrap_or_else(|| panic!("child output: {text}"))
         .parse()
         .unwrap();
-    assert!(before <= child && child <= after, "{before} <= {child} <= {after}");
+    assert!(
+        before <= child && child <= after,
+        "{before} <= {child} <= {after}"
+    );
 }

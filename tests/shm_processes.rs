@@ -110,7 +110,10 @@ fn kill_at(path: &Path, role: &str, step: &str) {
     let mut line = String::new();
     while !line.starts_with("parked") {
         line.clear();
-        assert!(out.read_line(&mut line).unwrap() > 0, "the child ended before {step}");
+        assert!(
+            out.read_line(&mut line).unwrap() > 0,
+            "the child ended before {step}"
+        );
     }
     assert_eq!(line.trim(), format!("parked {step}"));
 }
@@ -128,7 +131,9 @@ impl Drop for Killed {
 /// Every step a rate change can stop at (ticket, each word of the record, published), and
 /// the middle of a replenish.
 fn every_step() -> Vec<(&'static str, String)> {
-    let mut steps: Vec<_> = (0..=13).map(|k| ("set_rate", format!("set_rate.{k}"))).collect();
+    let mut steps: Vec<_> = (0..=13)
+        .map(|k| ("set_rate", format!("set_rate.{k}")))
+        .collect();
     steps.push(("replenish", "replenish.claimed".to_owned()));
     steps
 }
@@ -140,8 +145,7 @@ fn survivors_keep_the_exact_rate(role: &str, step: &str) {
     let path = dir.path().join("disk.bucket");
     let clock = ManualClock::new();
     clock.set(SystemMonotonicClock.now()).unwrap();
-    let b = SharedTokenBucket::<Uncapped, _>::open_with_clock(&path, cfg(), clock.clone())
-        .unwrap();
+    let b = SharedTokenBucket::<Uncapped, _>::open_with_clock(&path, cfg(), clock.clone()).unwrap();
     b.replenish();
     kill_at(&path, role, step);
     // A deficit far larger than anything the check adds, so the limit never discards.
@@ -163,11 +167,17 @@ fn survivors_keep_the_exact_rate(role: &str, step: &str) {
     assert_eq!(b.available(), LIMIT);
     // A process started now attaches and gets its tokens.
     let t = now_ns();
-    let out = child(format!("grab|{}|{t}|{}", path.display(), t + 20_000_000), None)
-        .wait_with_output()
-        .unwrap();
+    let out = child(
+        format!("grab|{}|{t}|{}", path.display(), t + 20_000_000),
+        None,
+    )
+    .wait_with_output()
+    .unwrap();
     assert!(out.status.success(), "{step}");
-    assert!(String::from_utf8_lossy(&out.stdout).contains("GRANTED="), "{step}");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("GRANTED="),
+        "{step}"
+    );
 }
 
 #[test]
@@ -240,7 +250,9 @@ fn n_processes_share_one_rate(n: usize, secs: u64, percent: u128) {
             .find(|l| l.starts_with("GRANTED="))
             .unwrap_or_else(|| panic!("child output: {text}"));
         let mut parts = line.split_whitespace();
-        granted += parts.next().unwrap()["GRANTED=".len()..].parse::<u64>().unwrap();
+        granted += parts.next().unwrap()["GRANTED=".len()..]
+            .parse::<u64>()
+            .unwrap();
         last_end = last_end.max(parts.next().unwrap()["END=".len()..].parse().unwrap());
     }
     // At most what was in the bucket at `t0` plus what accrued until the last grant.

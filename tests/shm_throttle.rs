@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use iothrottle::dispatcher::{ClassConfig, Dispatcher, DiskModel, IoRequest};
+use iothrottle::dispatcher::{ClassConfig, DiskModel, Dispatcher, IoRequest};
 use iothrottle::{
     BucketConfig, Clock, Rate, SharedMemoryBucket, SharedTokenBucket, SystemMonotonicClock,
     Throttle, Uncapped,
@@ -17,8 +17,12 @@ fn two_throttles_on_one_file_take_from_one_bucket() {
     let path = dir.path().join("disk.bucket");
     // A rate so low that nothing accrues while the test runs: only the first fill is there.
     let cfg = BucketConfig::new(Rate::new(1, std::time::Duration::from_secs(3600)), 100);
-    let a = Throttle::from_bucket(Arc::new(SharedMemoryBucket::<Uncapped>::open(&path, cfg).unwrap()));
-    let b = Throttle::from_bucket(Arc::new(SharedMemoryBucket::<Uncapped>::open(&path, cfg).unwrap()));
+    let a = Throttle::from_bucket(Arc::new(
+        SharedMemoryBucket::<Uncapped>::open(&path, cfg).unwrap(),
+    ));
+    let b = Throttle::from_bucket(Arc::new(
+        SharedMemoryBucket::<Uncapped>::open(&path, cfg).unwrap(),
+    ));
     let p = a.try_acquire(60).expect("the first fill is there");
     // The other throttle sees what the first one took: 40 left, not 100.
     assert!(b.try_acquire(41).is_err());
@@ -49,7 +53,10 @@ fn two_dispatchers_on_one_file_share_its_budget() {
     };
     let (d1, c1) = build(open());
     let (d2, c2) = build(open());
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     let req = IoRequest::read(4096);
     let cost = disk.cost(&req);
     rt.block_on(d1.submit(c1, req, async {}).unwrap()).unwrap();

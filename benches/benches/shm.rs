@@ -28,7 +28,10 @@ use iothrottle::{
 const REPLENISH_EVERY: u64 = 64;
 
 fn cfg() -> BucketConfig {
-    BucketConfig::new(Rate::per_second(Rate::MAX_PER_SECOND), BucketConfig::MAX_LIMIT)
+    BucketConfig::new(
+        Rate::per_second(Rate::MAX_PER_SECOND),
+        BucketConfig::MAX_LIMIT,
+    )
 }
 
 fn op<C: Clock>(b: &SharedTokenBucket<Uncapped, C>, i: u64) {
@@ -84,7 +87,10 @@ fn two_processes(b: &SharedMemoryBucket, path: &Path, iters: u64) -> Duration {
     mine.max(Duration::from_nanos(theirs))
 }
 
-fn two_threads<C: Clock + 'static>(b: &Arc<SharedTokenBucket<Uncapped, C>>, iters: u64) -> Duration {
+fn two_threads<C: Clock + 'static>(
+    b: &Arc<SharedTokenBucket<Uncapped, C>>,
+    iters: u64,
+) -> Duration {
     let barrier = Arc::new(std::sync::Barrier::new(2));
     let handles: Vec<_> = (0..2)
         .map(|_| {
@@ -99,7 +105,11 @@ fn two_threads<C: Clock + 'static>(b: &Arc<SharedTokenBucket<Uncapped, C>>, iter
             })
         })
         .collect();
-    handles.into_iter().map(|h| h.join().unwrap()).max().unwrap()
+    handles
+        .into_iter()
+        .map(|h| h.join().unwrap())
+        .max()
+        .unwrap()
 }
 
 fn bucket_file() -> (Option<tempfile::TempDir>, PathBuf) {

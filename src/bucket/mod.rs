@@ -21,9 +21,9 @@ pub use rate::Rate;
 #[cfg_attr(docsrs, doc(cfg(feature = "shm")))]
 pub use shm::ShmError;
 
-use crate::clock::{Clock, MonotonicClock};
 #[cfg(all(feature = "shm", unix, not(iothrottle_loom)))]
 use crate::clock::SystemMonotonicClock;
+use crate::clock::{Clock, MonotonicClock};
 use crate::error::ConfigError;
 use rovers::{Rovers, MAX_TIMESTAMP};
 
@@ -425,7 +425,12 @@ impl<M: Mode, C: Clock> SharedTokenBucket<M, C> {
     /// what it added, `None` if it stopped.
     #[cfg(iothrottle_loom)]
     #[doc(hidden)]
-    pub fn loom_set_rate_stopping_at(&self, rate: Rate, now: Duration, stop_at: u32) -> Option<u64> {
+    pub fn loom_set_rate_stopping_at(
+        &self,
+        rate: Rate,
+        now: Duration,
+        stop_at: u32,
+    ) -> Option<u64> {
         self.rovers
             .set_rate_stopping(rate.raw().unwrap(), timestamp(now), &|step| {
                 rate_cell::step_code(step) == stop_at

@@ -125,7 +125,6 @@ impl Regime {
     }
 }
 
-
 /// A step as a number (loom models name steps this way): `Ticket` 0, `Word(k)` k,
 /// `Published` 13.
 #[cfg(any(iothrottle_loom, feature = "shm-test-hooks"))]

@@ -281,10 +281,9 @@ fn create<M: Mode>(
         Some(d) if !d.as_os_str().is_empty() => d.to_owned(),
         _ => PathBuf::from("."),
     };
-    let name = path.file_name().map_or_else(
-        || "bucket".into(),
-        |n| n.to_string_lossy().into_owned(),
-    );
+    let name = path
+        .file_name()
+        .map_or_else(|| "bucket".into(), |n| n.to_string_lossy().into_owned());
     let stamp = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.subsec_nanos());

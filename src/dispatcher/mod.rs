@@ -622,14 +622,16 @@ impl DispatcherBuilder {
     /// again; no process wakes another, and none needs to.
     pub fn shared_bucket<M: Mode>(mut self, bucket: Arc<SharedTokenBucket<M, ArcClock>>) -> Self {
         let bucket: Arc<dyn std::any::Any + Send + Sync> = bucket;
-        self.shared = Some(match bucket.downcast::<SharedTokenBucket<Uncapped, ArcClock>>() {
-            Ok(b) => Budget::Uncapped(b),
-            Err(bucket) => Budget::Capped(
-                bucket
-                    .downcast::<SharedTokenBucket<Capped, ArcClock>>()
-                    .expect("Mode is sealed: Capped or Uncapped"),
-            ),
-        });
+        self.shared = Some(
+            match bucket.downcast::<SharedTokenBucket<Uncapped, ArcClock>>() {
+                Ok(b) => Budget::Uncapped(b),
+                Err(bucket) => Budget::Capped(
+                    bucket
+                        .downcast::<SharedTokenBucket<Capped, ArcClock>>()
+                        .expect("Mode is sealed: Capped or Uncapped"),
+                ),
+            },
+        );
         self
     }
 
