@@ -171,6 +171,8 @@ pub struct SharedTokenBucket<M: Mode = Uncapped, C: Clock = MonotonicClock> {
 /// Where the rovers live: in the bucket, or in a file mapped by several processes. Every
 /// method of the bucket works on either through `Deref`.
 #[derive(Debug)]
+// The in-process rovers stay inline: boxing them would add a pointer chase to every grab.
+#[allow(clippy::large_enum_variant)]
 enum Home<M: Mode> {
     Local(Rovers<M>),
     #[cfg(all(feature = "shm", unix, not(iothrottle_loom)))]

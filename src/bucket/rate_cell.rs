@@ -182,7 +182,7 @@ fn fields(r: &Regime) -> [u64; WORDS / 2] {
 /// Word `i` of a record with these fields, tagged `ticket`.
 #[inline]
 fn word(f: &[u64; WORDS / 2], i: usize, ticket: u32) -> u64 {
-    let half = if i % 2 == 0 {
+    let half = if i.is_multiple_of(2) {
         f[i / 2] >> 32
     } else {
         f[i / 2] & u32::MAX as u64
@@ -216,7 +216,7 @@ impl Slot {
             if w as u32 != ticket {
                 return None;
             }
-            f[i / 2] |= (w >> 32) << if i % 2 == 0 { 32 } else { 0 };
+            f[i / 2] |= (w >> 32) << if i.is_multiple_of(2) { 32 } else { 0 };
         }
         Some(Regime {
             rate: RawRate {

@@ -178,7 +178,7 @@ impl<M: Mode> Mapped<M> {
 /// The length of a bucket file for mode `M`.
 fn file_len<M: Mode>() -> usize {
     const { assert!(STATE_OFFSET >= HEADER_LEN) };
-    assert!(STATE_OFFSET % align_of::<Rovers<M>>() == 0);
+    assert!(STATE_OFFSET.is_multiple_of(align_of::<Rovers<M>>()));
     STATE_OFFSET + size_of::<Rovers<M>>()
 }
 
