@@ -9,8 +9,8 @@
 //!
 //! `1t`: the bench thread. `2t`: two threads of this process on one bucket. `2p`: this
 //! process and a second one (this binary re-run with `IOTHROTTLE_BENCH_SHM_CHILD`), each
-//! running the ops on the one file after a common start on `CLOCK_MONOTONIC`; the slower one's
-//! time is reported (per op of one process). Both run on the highest rate and largest limit,
+//! running the ops on the one file from a common start on `CLOCK_MONOTONIC`, set once the
+//! second process is up; the slower one's time is reported (per op of one process). Both run on the highest rate and largest limit,
 //! so nothing ever throttles: the cases measure where the state lives, nothing else.
 
 use std::hint::black_box;
@@ -64,26 +64,40 @@ pub fn child_if_asked() -> bool {
     let Ok(spec) = std::env::var("IOTHROTTLE_BENCH_SHM_CHILD") else {
         return false;
     };
-    let p: Vec<&str> = spec.split('|').collect();
-    let b = SharedMemoryBucket::<Uncapped>::open(p[0], cfg()).expect("open the bench bucket");
-    let elapsed = timed(&b, p[1].parse().unwrap(), p[2].parse().unwrap());
+    let (path, iters) = spec.split_once('|').expect("path|iters");
+    let b = SharedMemoryBucket::<Uncapped>::open(path, cfg()).expect("open the bench bucket");
+    // Ready: the first process then sends the common start time.
+    println!("ready");
+    let mut start = String::new();
+    std::io::stdin().read_line(&mut start).unwrap();
+    let elapsed = timed(&b, iters.parse().unwrap(), start.trim().parse().unwrap());
     println!("{}", elapsed.as_nanos());
     true
 }
 
 fn two_processes(b: &SharedMemoryBucket, path: &Path, iters: u64) -> Duration {
-    let start = now_ns() + 20_000_000;
-    let child = std::process::Command::new(std::env::current_exe().unwrap())
+    use std::io::{BufRead as _, Write as _};
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
         .env(
             "IOTHROTTLE_BENCH_SHM_CHILD",
-            format!("{}|{iters}|{start}", path.display()),
+            format!("{}|{iters}", path.display()),
         )
+        .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .spawn()
         .expect("start the second process");
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "ready");
+    // Both start together, once the second process is up and waiting.
+    let start = now_ns() + 2_000_000;
+    writeln!(child.stdin.take().unwrap(), "{start}").unwrap();
     let mine = timed(b, iters, start);
-    let out = child.wait_with_output().unwrap();
-    let theirs: u64 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
+    line.clear();
+    out.read_line(&mut line).unwrap();
+    child.wait().unwrap();
+    let theirs: u64 = line.trim().parse().unwrap();
     mine.max(Duration::from_nanos(theirs))
 }
 
