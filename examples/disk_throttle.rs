@@ -53,7 +53,7 @@ use iothrottle::disk::{AlignedBuf as DiskBuf, FileOptions, ThrottledFile};
 use iothrottle::dispatcher::{
     ClassConfig, ClassId, DiskModel, Dispatcher, DispatcherStats, IoKind, IoRequest,
 };
-use iothrottle::error::DiskError;
+use iothrottle::DiskError;
 use iothrottle::{BucketConfig, Rate, Throttle, Uncapped};
 
 /// Foreground reads against a background compaction on a real disk: idle, unthrottled, a

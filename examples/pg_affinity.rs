@@ -1,6 +1,6 @@
 //! Why the strict limiter keeps per-key-affine sessions instead of a pool that hands any idle
-//! session to any call (issue 11, "a connection pool"): W workers calling strict mode, first on
-//! one hot key, then on W distinct keys, for S seconds each, two ways side by side:
+//! session to any call: W workers calling strict mode, first on one hot key, then on W distinct
+//! keys, for S seconds each, two ways side by side:
 //!
 //! - `affine`: one limiter with `--sessions N` sessions; a key's calls in flight always share
 //!   one session (a key with none in flight takes the least busy one), so a hot key's

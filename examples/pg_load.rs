@@ -14,7 +14,7 @@
 //!     --url 'host=127.0.0.1 port=5439 user=postgres' --mode all --workers 8 --seconds 5
 //! ```
 //!
-//! Other measurements (issue 11), each one run:
+//! Other measurements, each one run:
 //!
 //! ```text
 //! # N separate OS processes on one key: total granted vs rate x W + burst (strict, leased);

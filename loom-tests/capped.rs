@@ -6,9 +6,9 @@ use std::time::Duration;
 use loom::sync::Arc;
 use loom::thread;
 
-use iothrottle::{Capped, Rate};
+use crate::{Capped, Rate};
 
-use crate::common::{ahead, at, check_bounds, replenish_at, restored};
+use super::common::{ahead, at, check_bounds, replenish_at, restored};
 
 #[test]
 fn release_and_refund_vs_replenish_never_pass_ceil() {

@@ -9,10 +9,10 @@ use loom::sync::atomic::{AtomicU64, Ordering};
 use loom::sync::Arc;
 use loom::thread;
 
-use iothrottle::checkpoint::MarkCore;
-use iothrottle::{Rate, Uncapped};
+use crate::checkpoint::gate::MarkCore;
+use crate::{Rate, Uncapped};
 
-use crate::common::{ahead, at, restored, START};
+use super::common::{ahead, at, restored, START};
 
 const RESERVE: u64 = 4;
 

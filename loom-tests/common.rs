@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use iothrottle::{BucketConfig, BucketState, Clock, ManualClock, Mode, Rate, SharedTokenBucket};
+use crate::{BucketConfig, BucketState, Clock, ManualClock, Mode, Rate, SharedTokenBucket};
 
 /// Rovers start here, a few tokens before `u64::MAX`, so every model also wraps.
 pub(crate) const START: u64 = u64::MAX - 4;

@@ -3,7 +3,7 @@
 use loom::sync::Arc;
 use loom::thread;
 
-use iothrottle::dispatcher::bound::InFlightBound;
+use crate::dispatcher::bound::InFlightBound;
 
 /// Two shards start a 60-token request each under a 100-token bound, from nothing in flight:
 /// exactly one goes (the first always may; the second would make 120), whatever the

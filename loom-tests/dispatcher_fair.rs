@@ -5,7 +5,7 @@
 use loom::sync::Arc;
 use loom::thread;
 
-use iothrottle::dispatcher::fair::{Fairness, SCALE};
+use crate::dispatcher::fair::{Fairness, SCALE};
 
 fn fair(classes: &[(u32, bool)]) -> Arc<Fairness> {
     Arc::new(Fairness::new(classes, 2, 10, 10))

@@ -5,7 +5,7 @@ use loom::sync::atomic::{AtomicU64, Ordering};
 use loom::sync::Arc;
 use loom::thread;
 
-use iothrottle::dispatcher::alarm::Alarms;
+use crate::dispatcher::alarm::Alarms;
 
 /// The timer thread's loop, as the real one runs it, with the clock at `now`: scan, and park
 /// until unparked when nothing rang. Returns how many alarms it rang.

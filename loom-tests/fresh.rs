@@ -6,9 +6,9 @@ use std::time::Duration;
 use loom::sync::Arc;
 use loom::thread;
 
-use iothrottle::{BucketConfig, ManualClock, Rate, SharedTokenBucket, Uncapped};
+use crate::{BucketConfig, ManualClock, Rate, SharedTokenBucket, Uncapped};
 
-use crate::common::{ahead, check_bounds, replenish_at};
+use super::common::{ahead, check_bounds, replenish_at};
 
 #[test]
 fn first_replenish_fills_once() {

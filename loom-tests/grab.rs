@@ -3,9 +3,9 @@
 use loom::sync::Arc;
 use loom::thread;
 
-use iothrottle::{Rate, Uncapped};
+use crate::{Rate, Uncapped};
 
-use crate::common::{ahead, at, check_bounds, replenish_at, restored};
+use super::common::{ahead, at, check_bounds, replenish_at, restored};
 
 #[test]
 fn two_grabbers_get_distinct_adjacent_ranges() {

@@ -1,4 +1,4 @@
-//! Leased mode's atomic core (`iothrottle::lease_core`): a key's local tokens and its refill
+//! Leased mode's atomic core (`crate::lease_core`): a key's local tokens and its refill
 //! flag, as `pg::leased` uses them.
 //!
 //! - `refill_flag_*`: one refiller at a time, and a take that leaves the key low while the
@@ -11,7 +11,7 @@ use loom::sync::atomic::{AtomicU64, Ordering};
 use loom::sync::Arc;
 use loom::thread;
 
-use iothrottle::lease_core::{LocalTokens, RefillFlag};
+use crate::lease_core::{LocalTokens, RefillFlag};
 
 const LOW: u64 = 2;
 const MAX: u64 = 4;

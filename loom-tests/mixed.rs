@@ -6,9 +6,9 @@ use std::time::Duration;
 use loom::sync::Arc;
 use loom::thread;
 
-use iothrottle::{Rate, Uncapped};
+use crate::{Rate, Uncapped};
 
-use crate::common::{ahead, at, check_bounds, replenish_at, restored};
+use super::common::{ahead, at, check_bounds, replenish_at, restored};
 
 /// Runs grab(6) ‖ refund(3) ‖ replenish at 5 ns (1 token/ns) on a bucket holding 4 tokens;
 /// returns (tail, refunded, replenished).
@@ -18,7 +18,7 @@ fn race(
     u64,
     u64,
     u64,
-    Arc<iothrottle::SharedTokenBucket<Uncapped, iothrottle::ManualClock>>,
+    Arc<crate::SharedTokenBucket<Uncapped, crate::ManualClock>>,
 ) {
     let b = Arc::new(restored::<Uncapped>(
         Rate::new(1, Duration::from_nanos(1)),

@@ -8,9 +8,9 @@ use std::time::Duration;
 use loom::sync::Arc;
 use loom::thread;
 
-use iothrottle::{Rate, Uncapped};
+use crate::{Rate, Uncapped};
 
-use crate::common::{at, check_bounds, replenish_at, restored};
+use super::common::{at, check_bounds, replenish_at, restored};
 
 /// 7 per 3 ns.
 fn old() -> Rate {

@@ -8,9 +8,9 @@ use std::time::Duration;
 use loom::sync::Arc;
 use loom::thread;
 
-use iothrottle::{Rate, Uncapped};
+use crate::{Rate, Uncapped};
 
-use crate::common::{at, replenish_at, restored};
+use super::common::{at, replenish_at, restored};
 
 /// 7 per 3 ns.
 fn old() -> Rate {
@@ -61,7 +61,7 @@ fn a_writer_stopped_before_publishing_holds_back_no_rate_change() {
             let at_20 = 7 * 20 / 3 + 5 * (30 - 20) / 2;
             // The stopped writer may have closed our change's interval for us before it
             // stopped (its tokens are in `head`, not in our return values): count `head`.
-            let total = crate::common::ahead(b.snapshot().head, at(0)) as u64;
+            let total = super::common::ahead(b.snapshot().head, at(0)) as u64;
             assert!(total == at_12 || total == at_20, "{s} + {r} + {f}: {total}");
             assert!(s + r + f <= total);
         });
@@ -82,7 +82,7 @@ fn a_writer_stopped_after_publishing_is_closed_by_the_next_change() {
         assert_eq!(dead_writer.join().unwrap(), None);
         let f = replenish_at(&*b, 30);
         // As above: the stopped writer may have closed our interval for us.
-        let total = crate::common::ahead(b.snapshot().head, at(0)) as u64;
+        let total = super::common::ahead(b.snapshot().head, at(0)) as u64;
         assert!(s + f <= total);
         // Stopped writer first: [0, 10) old (closed by our change), [10, 12) at its rate,
         // then ours. Ours first: [0, 12) old, then its rate from 12 (it published last).

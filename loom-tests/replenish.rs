@@ -9,9 +9,9 @@ use loom::sync::atomic::{AtomicBool, Ordering};
 use loom::sync::Arc;
 use loom::thread;
 
-use iothrottle::{ManualClock, Rate, SharedTokenBucket, Uncapped};
+use crate::{ManualClock, Rate, SharedTokenBucket, Uncapped};
 
-use crate::common::{at, check_bounds, replenish_at, restored};
+use super::common::{at, check_bounds, replenish_at, restored};
 
 /// 7 tokens per 3 ns: no replenish ends on a whole token, so the count must telescope.
 fn seven_per_three() -> Rate {

@@ -8,10 +8,10 @@ use std::time::Duration;
 use loom::sync::Arc;
 use loom::thread;
 
-use iothrottle::throttle::DeferredGiveBacks;
-use iothrottle::{Rate, Uncapped};
+use crate::throttle::DeferredGiveBacks;
+use crate::{Rate, Uncapped};
 
-use crate::common::{at, restored};
+use super::common::{at, restored};
 
 /// Claim A = `(START, START+2]` waits; claim B = `(START+2, START+4]` is cancelled while a
 /// replenish brings `head` to `START+2` (B's start): B's tokens must come back, exactly once.

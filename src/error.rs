@@ -1,4 +1,6 @@
-//! Error types, one per operation, each saying what was wrong and with which values.
+//! Error types, one per operation, each saying what was wrong and with which values. They are
+//! re-exported at the crate root (their one public path). `Display` is the error's own message
+//! only; a cause is returned by `source()`, so reporters (anyhow, eyre) print each cause once.
 
 use std::time::Duration;
 
@@ -95,7 +97,7 @@ pub enum ParseRateError {
         input: String,
     },
     /// A well-formed rate that no bucket accepts (zero, or above the maximum).
-    #[error("the rate {input:?} is not accepted: {source}")]
+    #[error("the rate {input:?} is not accepted")]
     Invalid {
         /// The string, as given.
         input: String,
@@ -134,7 +136,7 @@ pub enum ClockError {
 #[non_exhaustive]
 pub enum CheckpointError {
     /// A file operation failed.
-    #[error("checkpoint file {path}: {op} failed: {source}")]
+    #[error("checkpoint file {path}: {op} failed")]
     Io {
         /// The file (or directory) concerned.
         path: std::path::PathBuf,
@@ -178,7 +180,7 @@ pub enum CheckpointError {
         reason: &'static str,
     },
     /// The bucket configuration (or the restored state) is rejected by the bucket.
-    #[error("cannot restore the bucket: {0}")]
+    #[error("cannot restore the bucket")]
     Config(#[from] ConfigError),
     /// The Postgres store failed (connection refused or dropped, SQL error).
     #[error("postgres checkpoint: {op} failed: {message}")]
@@ -361,10 +363,10 @@ pub enum BuildError {
         limit: u64,
     },
     /// The bucket (or a class's cap bucket) configuration is invalid.
-    #[error("bucket configuration: {0}")]
+    #[error("invalid bucket configuration")]
     Bucket(#[from] ConfigError),
     /// A shard thread or its runtime could not be started.
-    #[error("could not start shard {shard}: {source}")]
+    #[error("could not start shard {shard}")]
     Spawn {
         /// The shard's index.
         shard: usize,
@@ -373,7 +375,7 @@ pub enum BuildError {
     },
     /// A shard's [start hook](crate::dispatcher::DispatcherBuilder::on_shard_start) returned
     /// an error or panicked.
-    #[error("the start hook of shard {shard} failed: {source}")]
+    #[error("the start hook of shard {shard} failed")]
     ShardStart {
         /// The shard's index.
         shard: usize,
@@ -419,7 +421,7 @@ pub enum ControlError {
         shares: u32,
     },
     /// The cap's rate is invalid (zero, or too high).
-    #[error("bandwidth cap: {0}")]
+    #[error("invalid bandwidth cap")]
     Cap(#[from] ConfigError),
 }
 
@@ -682,7 +684,7 @@ pub(crate) fn pg_error_text(e: &tokio_postgres::Error) -> String {
 /// A failure of a [`ThrottledFile`](crate::disk::ThrottledFile) or [`AlignedBuf`](crate::disk::AlignedBuf)
 /// operation. Every check that can be made before the I/O is made before it: an error of that
 /// kind means nothing was read or written.
-#[cfg(not(iothrottle_loom))]
+#[cfg(all(feature = "rt", not(iothrottle_loom)))]
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum DiskError {
@@ -739,7 +741,7 @@ pub enum DiskError {
     /// The disk is full (`ENOSPC`) or the file would exceed its size limit (`EFBIG`). A write
     /// reserves its whole range (`fallocate`) before writing any byte, so when the reservation
     /// fails nothing of the write was written.
-    #[error("no space for {len} bytes at offset {offset}: {source}")]
+    #[error("no space for {len} bytes at offset {offset}")]
     NoSpace {
         /// Offset of the write.
         offset: u64,
@@ -761,16 +763,16 @@ pub enum DiskError {
         len: u64,
     },
     /// The dispatcher refused the request or shut down before running it.
-    #[error("the dispatcher refused the request: {0}")]
+    #[error("the dispatcher refused the request")]
     Submit(#[from] SubmitError),
     /// The dispatcher stopped before the request ran.
-    #[error("the dispatcher dropped the request: {0}")]
+    #[error("the dispatcher dropped the request")]
     Dispatch(#[from] DispatchError),
     /// The blocking pool that runs I/O where io_uring is unavailable is gone (runtime shut down).
     #[error("the blocking I/O pool is gone: {0}")]
     PoolGone(String),
     /// Any other I/O error from the kernel, with what was being done.
-    #[error("{op} {path}: {source}")]
+    #[error("{op} {path} failed")]
     Io {
         /// What was being done (`"open"`, `"read"`, `"write"`, `"fallocate"`…).
         op: &'static str,
@@ -784,12 +786,12 @@ pub enum DiskError {
 
 /// A failure reading, parsing or choosing from an io-properties file
 /// ([`DiskModel::from_properties`](crate::DiskModel::from_properties)).
-#[cfg(not(iothrottle_loom))]
+#[cfg(all(feature = "rt", not(iothrottle_loom)))]
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum PropertiesError {
     /// The file cannot be read (missing, no permission, not UTF-8…).
-    #[error("cannot read io-properties file {path}: {source}")]
+    #[error("cannot read io-properties file {path}")]
     Read {
         /// The file.
         path: std::path::PathBuf,
@@ -855,7 +857,7 @@ pub enum PropertiesError {
         found: Vec<String>,
     },
     /// The mount point of a directory could not be found.
-    #[error("cannot find the mount point of {path}: {source}")]
+    #[error("cannot find the mount point of {path}")]
     Mountpoint {
         /// The directory.
         path: std::path::PathBuf,
@@ -866,7 +868,7 @@ pub enum PropertiesError {
 }
 
 /// A failure of [`calibrate`](crate::disk::calibrate).
-#[cfg(not(iothrottle_loom))]
+#[cfg(all(feature = "rt", not(iothrottle_loom)))]
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum CalibrateError {
@@ -880,7 +882,7 @@ pub enum CalibrateError {
     #[error(transparent)]
     Properties(#[from] PropertiesError),
     /// io_uring could not be set up (calibration keeps a queue depth from one thread with it).
-    #[error("io_uring is unavailable: {0}")]
+    #[error("io_uring is unavailable")]
     NoIoUring(#[source] std::io::Error),
     /// The disk completed no request during a phase (a figure of 0 is not a disk model).
     #[error("the {phase} phase completed no request")]
@@ -888,4 +890,122 @@ pub enum CalibrateError {
         /// Which phase.
         phase: &'static str,
     },
+}
+
+#[cfg(all(test, not(iothrottle_loom)))]
+mod tests {
+    use super::*;
+    use std::error::Error;
+    use std::io;
+
+    /// Walks `e`'s `source()` chain and checks that no message contains its cause's text, so a
+    /// reporter that prints the chain (anyhow, eyre) prints each cause once. Returns the
+    /// number of links.
+    fn check_chain(e: &(dyn Error + 'static)) -> usize {
+        let mut links = 1;
+        let mut cur = e;
+        while let Some(cause) = cur.source() {
+            let (msg, inner) = (cur.to_string(), cause.to_string());
+            assert!(
+                !msg.contains(&inner),
+                "{msg:?} repeats its cause {inner:?} ({cur:?})"
+            );
+            links += 1;
+            cur = cause;
+        }
+        links
+    }
+
+    fn io_error() -> io::Error {
+        io::Error::new(io::ErrorKind::PermissionDenied, "the OS said no")
+    }
+
+    fn config_error() -> ConfigError {
+        ConfigError::ZeroRate {
+            tokens: 0,
+            period: Duration::from_secs(1),
+        }
+    }
+
+    #[test]
+    fn no_error_prints_its_cause_twice() {
+        let with_a_cause: Vec<Box<dyn Error + 'static>> = vec![
+            Box::new(ParseRateError::Invalid {
+                input: "0/s".into(),
+                source: config_error(),
+            }),
+            Box::new(CheckpointError::Io {
+                path: "/x/b.ckpt".into(),
+                op: "write",
+                source: io_error(),
+            }),
+            Box::new(CheckpointError::Config(config_error())),
+            Box::new(BuildError::Bucket(config_error())),
+            Box::new(BuildError::Spawn {
+                shard: 1,
+                source: io_error(),
+            }),
+            Box::new(BuildError::ShardStart {
+                shard: 1,
+                source: io_error(),
+            }),
+            Box::new(ControlError::Cap(config_error())),
+            Box::new(crate::keyed::KeyedConfigError::Bucket(config_error())),
+        ];
+        for e in &with_a_cause {
+            assert!(check_chain(e.as_ref()) >= 2, "{e:?} has no cause");
+        }
+    }
+
+    #[cfg(all(feature = "rt", not(iothrottle_loom)))]
+    #[test]
+    fn no_disk_error_prints_its_cause_twice() {
+        let with_a_cause: Vec<Box<dyn Error + 'static>> = vec![
+            Box::new(DiskError::NoSpace {
+                offset: 0,
+                len: 4096,
+                source: io_error(),
+            }),
+            Box::new(DiskError::Submit(SubmitError::ShutDown)),
+            Box::new(DiskError::Dispatch(DispatchError::ShutDown)),
+            Box::new(DiskError::Io {
+                op: "open",
+                path: "/x/f".into(),
+                source: io_error(),
+            }),
+            Box::new(PropertiesError::Read {
+                path: "/x/io_properties.yaml".into(),
+                source: io_error(),
+            }),
+            Box::new(PropertiesError::Mountpoint {
+                path: "/x".into(),
+                source: io_error(),
+            }),
+            Box::new(CalibrateError::NoIoUring(io_error())),
+            Box::new(CalibrateError::Disk(DiskError::NoSpace {
+                offset: 0,
+                len: 4096,
+                source: io_error(),
+            })),
+            Box::new(CalibrateError::Properties(PropertiesError::Read {
+                path: "/x/io_properties.yaml".into(),
+                source: io_error(),
+            })),
+        ];
+        for e in &with_a_cause {
+            assert!(check_chain(e.as_ref()) >= 2, "{e:?} has no cause");
+        }
+    }
+
+    /// The cause is still there, one `source()` away, with its own text.
+    #[test]
+    fn the_cause_comes_from_source() {
+        let e = CheckpointError::Io {
+            path: "/x/b.ckpt".into(),
+            op: "fsync",
+            source: io_error(),
+        };
+        assert_eq!(e.to_string(), "checkpoint file /x/b.ckpt: fsync failed");
+        assert_eq!(e.source().unwrap().to_string(), "the OS said no");
+    }
 }

@@ -32,7 +32,7 @@ use crate::sync::{AtomicU64, Ordering};
 #[non_exhaustive]
 pub enum KeyedConfigError {
     /// The per-key bucket configuration is rejected.
-    #[error("invalid per-key bucket: {0}")]
+    #[error("invalid per-key bucket")]
     Bucket(#[from] ConfigError),
     /// A map that can hold no key.
     #[error("max_keys must be at least 1")]

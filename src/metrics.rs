@@ -34,7 +34,7 @@
 //! `#[cfg(feature = "metrics")]` statements: the hot paths are the same machine code. With the
 //! feature on, a dispatched request costs one thread-local map lookup by class name, three
 //! counter increments, a gauge decrement and a histogram record on cached handles (the benchmark
-//! `dispatcher/overhead` is reported with and without the feature in the README).
+//! `dispatcher/overhead` measures it with and without the feature).
 
 use metrics::{counter, gauge};
 

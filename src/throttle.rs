@@ -688,7 +688,7 @@ impl<M: Mode, C: Clock + 'static> fmt::Debug for Permit<M, C> {
     }
 }
 
-/// The deferred give-backs' core, public only to the loom build.
+/// The deferred give-backs' core: crate-private, and modelled by the loom tests.
 mod deferred {
     use super::*;
 
@@ -709,8 +709,7 @@ mod deferred {
     ///   refunded at once.
     /// - An entry is refunded only when `head` has reached its start (or on a forced drain: the
     ///   throttle closed or dropped); starts are distinct, so the smallest key is the first due.
-    #[cfg_attr(not(iothrottle_loom), allow(unreachable_pub))]
-    pub struct DeferredGiveBacks {
+    pub(crate) struct DeferredGiveBacks {
         inner: Mutex<DeferredInner>,
         /// The number of entries, readable without the lock.
         len: AtomicU64,
@@ -724,10 +723,9 @@ mod deferred {
         map: BTreeMap<u64, u64>,
     }
 
-    #[cfg_attr(not(iothrottle_loom), allow(unreachable_pub))]
     impl DeferredGiveBacks {
         /// No give-backs.
-        pub fn new() -> Self {
+        pub(crate) fn new() -> Self {
             DeferredGiveBacks {
                 inner: Mutex::new(DeferredInner {
                     base: 0,
@@ -739,14 +737,14 @@ mod deferred {
         }
 
         /// Whether [`close`](Self::close) was called.
-        pub fn is_closed(&self) -> bool {
+        pub(crate) fn is_closed(&self) -> bool {
             // SeqCst: see the module doc (close vs. a waiter registering, vs. a give-back).
             self.closed.load(Ordering::SeqCst) != 0
         }
 
         /// Closes: every entry is refunded now, and every later give-back at once (everyone ahead
         /// is leaving).
-        pub fn close<M: Mode, C: Clock>(&self, bucket: &SharedTokenBucket<M, C>) {
+        pub(crate) fn close<M: Mode, C: Clock>(&self, bucket: &SharedTokenBucket<M, C>) {
             // SeqCst: a give-back that inserted after our drain took the lock reads it (and drains).
             self.closed.store(1, Ordering::SeqCst);
             self.drain(bucket, true);
@@ -759,7 +757,7 @@ mod deferred {
         }
 
         /// Entries waiting.
-        pub fn len(&self) -> u64 {
+        pub(crate) fn len(&self) -> u64 {
             // Relaxed: a snapshot for display.
             self.len.load(Ordering::Relaxed)
         }
@@ -769,7 +767,7 @@ mod deferred {
         /// If `head` has reached `start` (or the throttle is closed: everyone ahead is leaving),
         /// the tokens are refunded now. Otherwise they wait until `head` gets there. Returns
         /// whether anything was refunded (the caller wakes its waiters).
-        pub fn give_back<M: Mode, C: Clock>(
+        pub(crate) fn give_back<M: Mode, C: Clock>(
             &self,
             bucket: &SharedTokenBucket<M, C>,
             start: u64,
@@ -808,7 +806,7 @@ mod deferred {
         }
 
         /// To be called after `head` moved: refunds the entries it reached. Returns whether it did.
-        pub fn after_head_moved<M: Mode, C: Clock>(
+        pub(crate) fn after_head_moved<M: Mode, C: Clock>(
             &self,
             bucket: &SharedTokenBucket<M, C>,
         ) -> bool {
@@ -821,7 +819,7 @@ mod deferred {
         /// Refunds every entry that `head` has reached (all of them when `force`), smallest start
         /// first: a refund moves `head`, which may reach the next one. Returns whether anything was
         /// refunded.
-        pub fn drain<M: Mode, C: Clock>(
+        pub(crate) fn drain<M: Mode, C: Clock>(
             &self,
             bucket: &SharedTokenBucket<M, C>,
             force: bool,
@@ -858,10 +856,7 @@ mod deferred {
     }
 }
 
-#[cfg(iothrottle_loom)]
-pub use deferred::DeferredGiveBacks;
-#[cfg(not(iothrottle_loom))]
-use deferred::DeferredGiveBacks;
+pub(crate) use deferred::DeferredGiveBacks;
 
 #[cfg(test)]
 mod tests {

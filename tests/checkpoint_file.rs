@@ -155,7 +155,7 @@ async fn first_start_then_restore_through_the_trait() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn defect_1_a_cancelled_file_save_never_lands_over_a_newer_one() {
+async fn a_cancelled_file_save_never_lands_over_a_newer_one() {
     let dir = tempfile::tempdir().unwrap();
     checkpoint_support::a_cancelled_save_never_lands_over_a_newer_one(FileCheckpoint::new(
         dir.path().join("b.ckpt"),
@@ -189,10 +189,10 @@ async fn a_fresh_checkpointer_numbers_its_saves_above_the_store() {
     cp.shutdown().await.unwrap();
 }
 
-/// Defect 10: two `FileCheckpoint`s on one path (one process: same pid, same temp counter)
+/// Two `FileCheckpoint`s on one path (one process: same pid, same temp counter)
 /// saving at once must not truncate or rename away each other's temp file.
 #[test]
-fn defect_10_two_stores_on_one_path_do_not_clobber_each_other() {
+fn two_stores_on_one_path_do_not_clobber_each_other() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("b.ckpt");
     let snap = Snapshot::of(&bucket_with(10), Some(100));
@@ -217,10 +217,10 @@ fn defect_10_two_stores_on_one_path_do_not_clobber_each_other() {
     assert_eq!(tmp, 0);
 }
 
-/// Defect 10: temp files of killed saves (any pid, old and new names) are removed when a store
+/// Temp files of killed saves (any pid, old and new names) are removed when a store
 /// on that path is first used; other files are left alone.
 #[test]
-fn defect_10_stale_temp_files_are_removed_at_open() {
+fn stale_temp_files_are_removed_at_open() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("b.ckpt");
     let stale = [".b.ckpt.4242.0.tmp", ".b.ckpt.4242-17.tmp"];

@@ -188,25 +188,23 @@ async fn rows_that_cannot_be_trusted_are_typed_errors() {
     assert_eq!(b.bucket().available(), 0, "empty, never full");
 }
 
-/// Defect 1 on Postgres: a save cancelled while its upsert is in flight lands after a newer
+/// On Postgres: a save cancelled while its upsert is in flight lands after a newer
 /// one; the row keeps the newer snapshot.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn defect_1_a_cancelled_pg_save_never_lands_over_a_newer_one() {
-    let Some(pg) = cluster_or_skip("defect_1_a_cancelled_pg_save_never_lands_over_a_newer_one")
-    else {
+async fn a_cancelled_pg_save_never_lands_over_a_newer_one() {
+    let Some(pg) = cluster_or_skip("a_cancelled_pg_save_never_lands_over_a_newer_one") else {
         return;
     };
     let store = PgCheckpoint::new(&pg.connection_string(), "disk").unwrap();
     checkpoint_support::a_cancelled_save_never_lands_over_a_newer_one(store).await;
 }
 
-/// Defect 1 on Postgres, at the SQL level: an upsert with a lower `seq` committed after a
+/// On Postgres, at the SQL level: an upsert with a lower `seq` committed after a
 /// higher one on another connection (a timed-out upsert landing late) is refused; an old table
 /// without the `seq` column is upgraded and its row loads with `seq` 0.
 #[tokio::test]
-async fn defect_1_a_late_upsert_on_another_connection_is_refused() {
-    let Some(pg) = cluster_or_skip("defect_1_a_late_upsert_on_another_connection_is_refused")
-    else {
+async fn a_late_upsert_on_another_connection_is_refused() {
+    let Some(pg) = cluster_or_skip("a_late_upsert_on_another_connection_is_refused") else {
         return;
     };
     let (client, conn) = tokio_postgres::connect(&pg.connection_string(), tokio_postgres::NoTls)

@@ -1,5 +1,5 @@
-//! `PgCheckpoint` with a least-privilege role and a server that commits asynchronously
-//! (issue 11, defects 1 and 2), against a real throwaway cluster (`tests/common/pg.rs`).
+//! `PgCheckpoint` with a least-privilege role and a server that commits asynchronously,
+//! against a real throwaway cluster (`tests/common/pg.rs`).
 
 mod common;
 
@@ -49,9 +49,9 @@ async fn least_privilege_role(pg: &PgCluster, admin: &tokio_postgres::Client) ->
     pg.connection_string_as("app")
 }
 
-/// Defect 1: every connect ran `CREATE TABLE IF NOT EXISTS`, which PostgreSQL 15 refuses to a
-/// role without CREATE on `public` even when the table exists; load and save failed and
-/// strict mode granted nothing.
+/// Connecting does not run `CREATE TABLE IF NOT EXISTS`, which PostgreSQL 15 refuses to a role
+/// without CREATE on `public` even when the table exists (load and save would fail and strict
+/// mode would grant nothing).
 #[tokio::test]
 async fn pg_checkpoint_needs_no_create_privilege() {
     let Some(pg) = cluster_or_skip("pg_checkpoint_needs_no_create_privilege") else {
@@ -115,10 +115,9 @@ async fn pg_checkpoint_needs_no_create_privilege() {
     );
 }
 
-/// Defect 2: the strict guarantee relied on the server's `synchronous_commit`. With the
-/// server set to `off` (and a WAL writer that waits 10 s), a save returned before its commit
-/// was flushed, and a crash of the server lost it. The store's session now turns durable
-/// commits on itself: an acknowledged save survives `kill -9` of the server.
+/// The strict guarantee does not rely on the server's `synchronous_commit`: the store's session
+/// turns durable commits on itself. With the server set to `off` (and a WAL writer that waits
+/// 10 s), an acknowledged save survives `kill -9` of the server.
 #[tokio::test]
 async fn strict_checkpoint_is_durable_when_the_server_commits_asynchronously() {
     let Some(mut pg) = cluster_with_settings_or_skip(
@@ -197,7 +196,7 @@ async fn load_after_restart(store: &PgCheckpoint) -> Option<Snapshot> {
     }
 }
 
-/// Issue 11, defect 3 for the checkpoint: its Postgres errors carry the server's SQLSTATE.
+/// The checkpoint's Postgres errors carry the server's SQLSTATE.
 #[tokio::test]
 async fn checkpoint_errors_show_sqlstate_and_server_message() {
     let Some(pg) = cluster_or_skip("checkpoint_errors_show_sqlstate_and_server_message") else {

@@ -1,5 +1,5 @@
 #![cfg(feature = "rt")] // the tokio layers; the bucket alone is tested without them
-//! Defect 2 of issue 8: strict and periodic checkpoints are a layer of `Throttle`
+//! Strict and periodic checkpoints are a layer of `Throttle`
 //! (`Throttle::with_checkpoint`): cancel safe, threshold-aware, a cost above the limit is a
 //! typed error, and a grab past the durable mark sleeps until the mark is saved. Under tokio's
 //! paused time with an in-memory store that the test can stall.
@@ -100,13 +100,13 @@ fn poll_once<F: Future + Unpin>(f: &mut F) -> bool {
     Pin::new(f).poll(&mut cx).is_ready()
 }
 
-/// Defect 2: in strict capped mode, cancel an acquire at every await it can be parked on —
+/// In strict capped mode, cancel an acquire at every await it can be parked on —
 /// before its tokens accrue, while its tokens are there but past the durable mark (storage
 /// stalled), right after the mark moved — and check that nothing leaks: once everything is
 /// cancelled and granted permits are dropped, `ceil - tail` is the limit again and the full
 /// throughput is there (a fresh acquire of the whole limit is served).
 #[tokio::test(start_paused = true)]
-async fn defect_2_cancel_at_every_await_in_strict_capped_mode_lowers_nothing() {
+async fn cancel_at_every_await_in_strict_capped_mode_lowers_nothing() {
     const LIMIT: u64 = 100;
     let cfg = BucketConfig::new(Rate::per_second(1_000), LIMIT);
     let b = checkpointed::<Capped>(cfg, Durability::strict(40));
@@ -146,9 +146,9 @@ async fn defect_2_cancel_at_every_await_in_strict_capped_mode_lowers_nothing() {
     cp.shutdown().await.unwrap();
 }
 
-/// Defect 2: a 1-token wait on a threshold-100 bucket is woken O(1) times, not ~100.
+/// A 1-token wait on a threshold-100 bucket is woken O(1) times, not ~100.
 #[tokio::test(start_paused = true)]
-async fn defect_2_a_threshold_100_wait_is_woken_a_bounded_number_of_times() {
+async fn a_threshold_100_wait_is_woken_a_bounded_number_of_times() {
     let cfg = BucketConfig::new(Rate::per_second(1_000), 1_000).with_threshold(100);
     let b = checkpointed::<Uncapped>(cfg, Durability::Periodic);
     let cp = Checkpointer::start(b.clone(), Mem::default(), every(1_000)).unwrap();
@@ -163,10 +163,10 @@ async fn defect_2_a_threshold_100_wait_is_woken_a_bounded_number_of_times() {
     cp.shutdown().await.unwrap();
 }
 
-/// Defect 2: a cost above the limit is a typed error at once (it was accepted, and in capped
-/// mode never met, blocking every later claim).
+/// A cost above the limit is a typed error at once (accepted, it would never be met in capped
+/// mode, and would block every later claim).
 #[tokio::test(start_paused = true)]
-async fn defect_2_a_cost_above_the_limit_is_a_typed_error() {
+async fn a_cost_above_the_limit_is_a_typed_error() {
     let cfg = BucketConfig::new(Rate::per_second(1_000), 100);
     let b = checkpointed::<Capped>(cfg, Durability::strict(50));
     let cp = Checkpointer::start(b.clone(), Mem::default(), every(1_000)).unwrap();

@@ -11,7 +11,7 @@ mod common;
 
 use common::disk::{dispatcher, rt};
 use iothrottle::disk::{calibrate, AlignedBuf, CalibrateOptions, FileOptions, ThrottledFile};
-use iothrottle::error::{CalibrateError, DiskError};
+use iothrottle::{CalibrateError, DiskError};
 
 /// A small ext4 file system on a loop device, unmounted on drop.
 struct SmallFs {

@@ -12,7 +12,7 @@ mod common;
 use common::disk::{dispatcher, rt};
 use iothrottle::disk::{AlignedBuf, Backend, FileOptions, Resolved, ThrottledFile, ALIGN};
 use iothrottle::dispatcher::{ClassConfig, DiskModel, Dispatcher, IoRequest};
-use iothrottle::error::DiskError;
+use iothrottle::DiskError;
 
 fn scratch() -> tempfile::TempDir {
     tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap()

@@ -4,8 +4,8 @@
 use std::path::Path;
 
 use iothrottle::disk::{calibrate, mountpoint_of, CalibrateOptions, IoProperties};
-use iothrottle::error::PropertiesError;
 use iothrottle::DiskModel;
+use iothrottle::PropertiesError;
 
 const IOTUNE: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),

@@ -592,7 +592,7 @@ fn churn(shards: usize, classes: usize, requests: u64, seed: u64) {
     );
 }
 
-/// Regression (issue 8, defect 9): `shards(usize::MAX)` panicked with a capacity overflow.
+/// `shards(usize::MAX)` is a typed error, not a capacity-overflow panic.
 #[test]
 fn too_many_shards_is_a_typed_error_and_more_than_the_cores_a_warning() {
     let build = |n: usize| {
@@ -646,8 +646,8 @@ fn finishes<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'stati
         .unwrap_or_else(|_| panic!("{what}: still blocked after 60 s"))
 }
 
-/// Regression (issue 8, defect 4) with real threads: a request waiting 1,000 s for its tokens
-/// is served once the rate is raised (the shard was not woken: it slept out its old deadline).
+/// With real threads: a request waiting 1,000 s for its tokens is served once the rate is
+/// raised (the raise wakes the shard, which does not sleep out its old deadline).
 #[test]
 fn set_rate_reaches_a_request_already_waiting() {
     let d = Dispatcher::builder()
@@ -689,7 +689,7 @@ fn set_rate_reaches_a_request_already_waiting() {
 
 #[test]
 fn runtime_control_errors_are_typed() {
-    use iothrottle::error::ControlError;
+    use iothrottle::ControlError;
     let d = Dispatcher::builder()
         .shards(1)
         .disk(NVME)
@@ -759,9 +759,9 @@ impl Drop for PanicOnDrop {
     }
 }
 
-/// Regression (issue 8, defect 10): a cancelled future whose `Drop` panicked killed its shard
-/// thread (later requests there failed with `ShutDown`), and the dead shard's classes stayed
-/// "backlogged", freezing the other shards' fairness.
+/// A cancelled future whose `Drop` panics does not kill its shard thread (later requests there
+/// would fail with `ShutDown`), and the shard's classes do not stay "backlogged" (which would
+/// freeze the other shards' fairness).
 #[test]
 fn a_future_whose_drop_panics_does_not_kill_its_shard() {
     let d = Dispatcher::builder()
@@ -842,8 +842,8 @@ fn blocked_on(
     (d, h, started)
 }
 
-/// Regression (issue 8, defect 10): dropping a dispatcher in async code blocked the runtime's
-/// thread on a future that needed that thread (a deadlock). Drop no longer waits there.
+/// Dropping a dispatcher in async code does not block the runtime's thread on a future that
+/// needs that thread (a deadlock): drop does not wait there.
 #[test]
 fn dropping_the_dispatcher_in_async_code_does_not_deadlock() {
     let got = finishes("drop in async code", || {
@@ -885,7 +885,7 @@ fn shutdown_async_waits_without_blocking_the_runtime() {
 
 #[test]
 fn shutdown_timeout_bounds_the_wait() {
-    use iothrottle::error::ShutdownError;
+    use iothrottle::ShutdownError;
     let (tx, rx) = tokio::sync::oneshot::channel();
     let (d, h, started) = blocked_on(rx);
     rt().block_on(started).unwrap();
@@ -902,8 +902,8 @@ fn shutdown_timeout_bounds_the_wait() {
     );
 }
 
-/// Regression: `DiskModel::default()` silently assumed an NVMe drive about 4× faster than this
-/// project's disk, and a builder without a disk used it. A disk model is now required.
+/// A builder without a disk model is a typed error: no default disk (an NVMe drive's figures
+/// would be about 4× too fast for a virtio disk) is assumed silently.
 #[test]
 fn build_without_a_disk_model_is_a_typed_error() {
     let mut b = Dispatcher::builder().shards(1);
@@ -922,9 +922,8 @@ fn build_without_a_disk_model_is_a_typed_error() {
     ));
 }
 
-/// Regression: at default settings a 1 MiB write was refused (`TooLarge`) and split pieces were
-/// cut at arbitrary bytes. Now `submit_split` cuts it into 4 KiB-aligned pieces within the
-/// latency goal that add up to the request, and `submit`'s error says what fits.
+/// At default settings `submit_split` cuts a 1 MiB write into 4 KiB-aligned pieces within the
+/// latency goal that add up to the request, and `submit`'s `TooLarge` error says what fits.
 #[test]
 fn a_one_mib_write_at_default_settings_splits_into_aligned_pieces() {
     // A disk like this project's virtio disk: 1 MiB is ~1.6 ms of disk time, over the goal.

@@ -1,7 +1,7 @@
 #![cfg(feature = "rt")] // the tokio layers; the bucket alone is tested without them
-//! `DispatcherBuilder::checkpoint`: the dispatcher over a checkpointed bucket (issue 8, defect
-//! 2). The bucket runs on a frozen `ManualClock`, so no token accrues during a test: every
-//! token is accounted for exactly. The shards run in real time; the tests wait for states
+//! `DispatcherBuilder::checkpoint`: the dispatcher over a checkpointed bucket. The bucket runs
+//! on a frozen `ManualClock`, so no token accrues during a test: every token is accounted for
+//! exactly. The shards run in real time; the tests wait for states
 //! (a held save, a grab past the mark), never for durations.
 
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -1,4 +1,4 @@
-//! The classic SQL function: ours against the reference (issue 11, defects 4 and 5).
+//! The classic SQL function: ours against the reference.
 //!
 //! Time is moved by the test, not slept: between two calls the row's `ts` is moved back by the
 //! step (`UPDATE … SET ts = ts - step`), which is what the functions see when the step has
@@ -31,10 +31,10 @@ async fn setup(pg: &PgCluster) -> (PgKeyedLimiter, tokio_postgres::Client) {
     (l, c)
 }
 
-/// Defect 4: `rate_limiting_request` accepted a capacity (`window × rate`) whose micro-tokens
-/// fit a `bigint` on the first call but overflowed it on a later one (`22003 bigint out of
-/// range` after an idle period), or on the first call for the largest `int` arguments. It now
-/// refuses them up front, like the Rust API, with `22023` and the limit in the message.
+/// `rate_limiting_request` refuses up front, like the Rust API, with `22023` and the limit in
+/// the message, a capacity (`window × rate`) whose micro-tokens fit a `bigint` on the first
+/// call but would overflow it on a later one (`22003 bigint out of range` after an idle
+/// period), or on the first call for the largest `int` arguments.
 #[tokio::test]
 async fn classic_function_rejects_capacities_that_overflow_bigint() {
     let Some(pg) = cluster_or_skip("classic_function_rejects_capacities_that_overflow_bigint")
@@ -121,7 +121,7 @@ async fn grants_step_apart(
     (granted, 2.0 + 2.0 * t)
 }
 
-/// Defect 5 (documentation): the reference function does not "round to zero", it rounds the
+/// The reference function does not "round to zero", it rounds the
 /// refill to the *nearest* token. Calls at least half a token apart over-grant (each gets a
 /// whole token back); calls less than half a token apart never refill. Ours grants what the
 /// rate allows in both cases.

@@ -1,5 +1,5 @@
-//! Error messages keep the server's SQLSTATE and text (issue 11, defect 3): before, a killed
-//! session read "connection to PostgreSQL lost (…): db error".
+//! Error messages keep the server's SQLSTATE and text: a killed session says why, not only
+//! "connection to PostgreSQL lost (…): db error".
 
 mod common;
 
@@ -314,8 +314,8 @@ enum CloseBy {
     StopImmediate,
 }
 
-/// The defect: calls pipelined on a session behind the statement that received the server's
-/// `57P01` reported only "connection closed". Three calls on one session: the first waits on
+/// Calls pipelined on a session behind the statement that received the server's `57P01` say
+/// more than "connection closed". Three calls on one session: the first waits on
 /// a row lock, two more are queued behind it; the server closes the session. Every call must
 /// say why: the first through the server's error itself, the queued ones through
 /// `closed_by`.

@@ -584,8 +584,8 @@ async fn refill_under_steady_load_4_workers_10s() {
     );
 }
 
-/// Issue 11, defect 2 for the limiter: "durable by default" held only when the server had
-/// `synchronous_commit` on. The session now turns it on itself (and off when asked to).
+/// "Durable by default" holds whatever the server's `synchronous_commit`: the limiter's session
+/// turns it on itself (and off when asked to).
 #[tokio::test]
 async fn durable_commits_do_not_depend_on_the_server_setting() {
     let Some(pg) = cluster_with_settings_or_skip(
@@ -606,12 +606,11 @@ async fn durable_commits_do_not_depend_on_the_server_setting() {
     );
 }
 
-/// The defect: with a fixed hash of the key choosing the session, distinct keys called at once
-/// could share a session and queue behind each other's statements (and commits) while other
-/// sessions sat idle — strict mode on distinct ids ran below the classic function's calls/s.
-/// Four keys that the old hash put on one session, each stuck on a row lock held by another
-/// transaction, must now wait in four sessions (the old code: one waits, three are queued
-/// behind it on its session, and this test never sees four waiters).
+/// Distinct keys called at once do not share a session and queue behind each other's
+/// statements (and commits) while other sessions sit idle, as they would if a fixed hash of
+/// the key chose the session. Four keys that such a hash puts on one session, each stuck on a
+/// row lock held by another transaction, wait in four sessions (with a fixed hash: one waits,
+/// three are queued behind it on its session, and this test never sees four waiters).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn distinct_keys_in_flight_do_not_share_a_session() {
     use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
@@ -620,7 +619,7 @@ async fn distinct_keys_in_flight_do_not_share_a_session() {
         return;
     };
     let l = Arc::new(limiter(&pg, PgOptions::new().with_connections(4)).await);
-    // Four keys with the same slot under the old rule (`hash(key) % 4`).
+    // Four keys with the same slot under a fixed hash (`hash(key) % 4`).
     let slot = |k: &str| BuildHasherDefault::<DefaultHasher>::default().hash_one(k) % 4;
     let keys: Vec<String> = (0..)
         .map(|i| format!("k{i}"))
@@ -650,8 +649,8 @@ async fn distinct_keys_in_flight_do_not_share_a_session() {
         })
         .collect();
     let watch = client(&pg).await;
-    // Waits for the state "four sessions wait on the lock" (bounded, so the old code fails
-    // instead of hanging; no timing is asserted).
+    // Waits for the state "four sessions wait on the lock" (bounded, so a shared session fails
+    // the test instead of hanging it; no timing is asserted).
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     let mut waiting = 0;
     while waiting < 4 {

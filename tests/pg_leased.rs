@@ -535,10 +535,10 @@ async fn poll_once<F: std::future::Future>(mut fut: std::pin::Pin<&mut F>) -> Op
     .await
 }
 
-/// Defect: "leased eviction can briefly hold 2× `max_lease`". An evicted key state stayed
-/// usable until its give-back got the key's lease mutex; with a lease of the old state in
-/// flight, a re-created state for the same key leased `max_lease` too, and then both states
-/// served calls locally. Driven step by step on a current-thread runtime with a frozen clock.
+/// Leased eviction never holds 2× `max_lease`: an evicted key state is closed at once, not
+/// left usable until its give-back gets the key's lease mutex (with a lease of the old state
+/// in flight, a re-created state for the same key would lease `max_lease` too, and both states
+/// would serve calls locally). Driven step by step on a current-thread runtime with a frozen clock.
 #[tokio::test]
 async fn leased_eviction_never_holds_more_than_max_lease() {
     let Some(pg) = cluster_or_skip("leased_eviction_never_holds_more_than_max_lease") else {
@@ -569,8 +569,8 @@ async fn leased_eviction_never_holds_more_than_max_lease() {
     let leases = l.stats().leases;
     // What the process can still grant for "a" without a lease statement is at most
     // max_lease: the handle and the map must not both hold a lease's worth.
-    // (One round: on the old code a second one would wait for the old state's mutex behind
-    // the eviction's give-back, which this test does not poll.)
+    // (One round: were the old state still usable, a second one would wait for its mutex
+    // behind the eviction's give-back, which this test does not poll.)
     let mut local = 0;
     let before = l.stats().leases;
     if a.try_acquire(98).await.unwrap() && l.stats().leases == before {
@@ -615,9 +615,9 @@ async fn lease_landing_after_shutdown_gives_its_tokens_back() {
     assert_eq!(global_micro(&pg, "a").await, (300 - 101) * 1_000_000);
 }
 
-/// Defect: "every lease is its own statement and commit": with many hot keys a process ran
-/// one statement (one WAL flush) per lease, and 1,000 hot keys got two thirds of their rate.
-/// The leases of all keys waiting for a session now go out as one statement. On a
+/// The leases of all keys waiting for a session go out as one statement, not one statement
+/// (one WAL flush) per lease, which with 1,000 hot keys would give them two thirds of their
+/// rate. On a
 /// current-thread runtime the 64 first calls all queue their leases before the first batch
 /// runs; each row gives exactly its lease.
 #[tokio::test]
@@ -661,10 +661,10 @@ async fn leases_of_many_keys_share_one_statement() {
     }
 }
 
-/// Defect: "a cancelled acquire loses the tokens of its lease in flight": the lease ran in
-/// the caller's future, so a caller dropped while its statement was at the server left the
-/// tokens taken from the row and never deposited (and the next call leased again). Leases
-/// now run on a task of their own and always land.
+/// A cancelled acquire does not lose the tokens of its lease in flight: leases run on a task
+/// of their own and always land (run in the caller's future, a caller dropped while its
+/// statement was at the server would leave the tokens taken from the row and never
+/// deposited, and the next call would lease again).
 #[tokio::test]
 async fn cancelled_acquire_mid_lease_loses_no_tokens() {
     let Some(pg) = cluster_or_skip("cancelled_acquire_mid_lease_loses_no_tokens") else {

@@ -1,4 +1,4 @@
-//! Many OS processes, one global rate (issue 11): N = 2, 4 and 8 separate processes (this test
+//! Many OS processes, one global rate: N = 2, 4 and 8 separate processes (this test
 //! binary re-run as `process_child`, each with its own limiter and connections) share one key
 //! on the server's clock, in strict and in leased mode. Whatever the machine's speed, the
 //! grants made between two readings of the server's clock, one before the first child starts

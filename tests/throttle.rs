@@ -644,7 +644,7 @@ fn stress_racing_cancellations_leak_nothing() {
     }
 }
 
-/// Item 5 of issue 8: a rate raise re-wakes a waiter, which recomputes its deadline: 1/s →
+/// A rate raise re-wakes a waiter, which recomputes its deadline: 1/s →
 /// 1000/s while a waiter waits for 1 token; it is served within one replenish period at the
 /// new rate (1 ms), not at its old deadline (1 s).
 #[tokio::test(start_paused = true)]
@@ -659,7 +659,7 @@ async fn set_rate_raise_mid_wait_serves_within_one_period_at_the_new_rate() {
     assert!(at <= 11 * MS, "served at {at:?}");
 }
 
-/// Issue 10: `Throttle::new` needs no turbofish; the capped one is `new_capped`.
+/// `Throttle::new` needs no turbofish; the capped one is `new_capped`.
 #[tokio::test]
 async fn new_needs_no_type_annotation_and_stats_count() {
     let th = Throttle::new(BucketConfig::new(Rate::per_second(1_000), 10)).unwrap();

@@ -10,7 +10,7 @@
 //!
 //! - `cancel/N`: `N` claims queued behind one waiter that is never served, then all cancelled
 //!   (dropped): each give-back is deferred (head has not reached it). The time per
-//!   cancellation, with up to `N` give-backs already deferred (defect 7: was O(N) each).
+//!   cancellation, with up to `N` give-backs already deferred (each in O(log N)).
 //!
 //! The accuracy figure (grants achieved in real time) is `examples/throttle_accuracy.rs`.
 

@@ -397,37 +397,33 @@ impl<M: Mode, C: Clock> SharedTokenBucket<M, C> {
         self.replenish_ns(timestamp(now))
     }
 
-    /// Loom models only: the first half of a replenish at `now` (the CAS on the replenish
+    /// The loom models only: the first half of a replenish at `now` (the CAS on the replenish
     /// time), returning the tokens claimed; [`loom_fill`](Self::loom_fill) adds them. Lets a
     /// model stall a replenisher between the two halves.
-    #[cfg(iothrottle_loom)]
-    #[doc(hidden)]
-    pub fn loom_claim_at(&self, now: Duration) -> Option<u128> {
+    #[cfg(all(test, iothrottle_loom))]
+    pub(crate) fn loom_claim_at(&self, now: Duration) -> Option<u128> {
         self.rovers.claim(timestamp(now))
     }
 
-    /// Loom models only: the second half of a replenish (see `loom_claim_at`).
-    #[cfg(iothrottle_loom)]
-    #[doc(hidden)]
-    pub fn loom_fill(&self, extra: u128) -> u64 {
+    /// The loom models only: the second half of a replenish (see `loom_claim_at`).
+    #[cfg(all(test, iothrottle_loom))]
+    pub(crate) fn loom_fill(&self, extra: u128) -> u64 {
         self.rovers.fill(extra)
     }
 
-    /// Loom models only: [`set_rate`](Self::set_rate) at `now`, returning the tokens it added
+    /// The loom models only: [`set_rate`](Self::set_rate) at `now`, returning the tokens it added
     /// when it closed the old rate's interval.
-    #[cfg(iothrottle_loom)]
-    #[doc(hidden)]
-    pub fn loom_set_rate_at(&self, rate: Rate, now: Duration) -> u64 {
+    #[cfg(all(test, iothrottle_loom))]
+    pub(crate) fn loom_set_rate_at(&self, rate: Rate, now: Duration) -> u64 {
         self.rovers.set_rate(rate.raw().unwrap(), timestamp(now))
     }
 
-    /// Loom models only: [`set_rate`](Self::set_rate) at `now` by a participant that stops
+    /// The loom models only: [`set_rate`](Self::set_rate) at `now` by a participant that stops
     /// for ever at step `stop_at` (0: holding a ticket, 1..=12: after that many words of its
     /// record, 13: published but not closed), or completes if it never gets there. Returns
     /// what it added, `None` if it stopped.
-    #[cfg(iothrottle_loom)]
-    #[doc(hidden)]
-    pub fn loom_set_rate_stopping_at(
+    #[cfg(all(test, iothrottle_loom))]
+    pub(crate) fn loom_set_rate_stopping_at(
         &self,
         rate: Rate,
         now: Duration,

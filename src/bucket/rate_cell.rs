@@ -127,7 +127,7 @@ impl Regime {
 
 /// A step as a number (loom models name steps this way): `Ticket` 0, `Word(k)` k,
 /// `Published` 13.
-#[cfg(any(iothrottle_loom, feature = "shm-test-hooks"))]
+#[cfg(any(all(test, iothrottle_loom), feature = "shm-test-hooks"))]
 pub(crate) fn step_code(step: Step) -> u32 {
     match step {
         Step::Ticket => 0,

@@ -299,10 +299,10 @@ fn drain<M: Mode>(b: &SharedTokenBucket<M, ManualClock>) -> u64 {
 }
 
 #[test]
-fn defect_3_set_rate_does_not_reprice_the_past() {
+fn set_rate_prices_the_past_at_the_old_rate() {
     // 1/s with a large threshold; after 0.9 s (0.9 tokens earned, none issued) the rate goes to
-    // 10^6/s. At 0.9 s + d the rates allow floor(0.9) + floor(10^6 × d) = 10^6 × d tokens, and
-    // the old code priced the whole 0.9 s + d at the new rate (900,000 + ...).
+    // 10^6/s. At 0.9 s + d the rates allow floor(0.9) + floor(10^6 × d) = 10^6 × d tokens, not
+    // the whole 0.9 s + d at the new rate (900,000 + ...).
     let (b, clock) = empty::<Uncapped>(Rate::per_second(1), 1_000);
     clock.advance(Duration::from_millis(900));
     assert_eq!(drain(&b), 0, "0.9 tokens: below the threshold");
@@ -323,7 +323,7 @@ fn defect_3_set_rate_does_not_reprice_the_past() {
 }
 
 #[test]
-fn defect_3_set_rate_closes_a_below_threshold_interval_at_the_old_rate() {
+fn set_rate_closes_a_below_threshold_interval_at_the_old_rate() {
     // 10/s, threshold 100: at 0.95 s 9 tokens are earned (below the threshold). They are
     // neither lost nor re-priced: set_rate adds them, and the new rate counts from 0.95 s.
     let (b, clock) = empty::<Uncapped>(Rate::per_second(10), 100);

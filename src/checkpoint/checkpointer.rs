@@ -163,8 +163,11 @@ impl<S: Checkpoint, M: Mode, C: Clock + 'static> Shared<S, M, C> {
                 // Relaxed: statistics.
                 c.save_failures.fetch_add(1, Ordering::Relaxed);
                 let n = c.consecutive_failures.fetch_add(1, Ordering::Relaxed) + 1;
-                tracing::warn!(error = %e, consecutive_failures = n,
-                    "checkpoint save failed; the limiter keeps running from memory");
+                tracing::warn!(
+                    error = &e as &dyn std::error::Error,
+                    consecutive_failures = n,
+                    "checkpoint save failed; the limiter keeps running from memory"
+                );
                 Err(e)
             }
         }

@@ -31,8 +31,7 @@ use crate::sync::{AtomicU64, Ordering};
 ///
 /// Invariant: every tail position up to `mark` is covered by a durable reservation; `mark`
 /// only moves forward.
-#[cfg_attr(not(iothrottle_loom), allow(unreachable_pub))]
-pub struct MarkCore {
+pub(crate) struct MarkCore {
     mark: CachePadded<AtomicU64>,
     /// Non-zero while a reservation request is pending.
     requested: AtomicU64,
@@ -42,19 +41,17 @@ pub struct MarkCore {
 
 /// What a grab must do after [`MarkCore::on_grab`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[cfg_attr(not(iothrottle_loom), allow(unreachable_pub))]
-pub struct GrabCheck {
+pub(crate) struct GrabCheck {
     /// Tokens of the grab past the durable mark.
-    pub past_mark: u64,
+    pub(crate) past_mark: u64,
     /// This grab raised the request flag: it must wake the checkpointer.
-    pub wake_checkpointer: bool,
+    pub(crate) wake_checkpointer: bool,
 }
 
-#[cfg_attr(not(iothrottle_loom), allow(unreachable_pub))]
 impl MarkCore {
     /// A core whose mark is `tail` (nothing reserved) and whose low-water line is half of
     /// `reserve_ahead`.
-    pub fn new(tail: u64, reserve_ahead: u64) -> Self {
+    pub(crate) fn new(tail: u64, reserve_ahead: u64) -> Self {
         MarkCore {
             mark: CachePadded::new(AtomicU64::new(tail)),
             requested: AtomicU64::new(0),
@@ -64,21 +61,21 @@ impl MarkCore {
 
     /// The durable mark.
     #[inline]
-    pub fn mark(&self) -> u64 {
+    pub(crate) fn mark(&self) -> u64 {
         // Acquire: pairs with the Release store in `publish`.
         self.mark.load(Ordering::Acquire)
     }
 
     /// Tokens up to `tail` that no durable reservation covers.
     #[inline]
-    pub fn past_mark(&self, tail: u64) -> u64 {
+    pub(crate) fn past_mark(&self, tail: u64) -> u64 {
         ahead(tail, self.mark()).max(0) as u64
     }
 
     /// After a grab that ended at `tail`: raises the request when less than the low-water
     /// line is left.
     #[inline]
-    pub fn on_grab(&self, tail: u64) -> GrabCheck {
+    pub(crate) fn on_grab(&self, tail: u64) -> GrabCheck {
         let left = ahead(self.mark(), tail);
         if left >= self.low_water {
             return GrabCheck {
@@ -94,33 +91,33 @@ impl MarkCore {
 
     /// Raises the request; true if this call raised it (its caller wakes the checkpointer).
     #[cold]
-    pub fn request(&self) -> bool {
+    pub(crate) fn request(&self) -> bool {
         // AcqRel: see the module's orderings.
         self.requested.swap(1, Ordering::AcqRel) == 0
     }
 
     /// Clears the request; the checkpointer calls it *before* reading the tail it reserves
     /// from.
-    pub fn clear_request(&self) {
+    pub(crate) fn clear_request(&self) {
         // AcqRel swap, not a store: it reads the latest request, and so acquires the tail of
         // the grab that raised it.
         self.requested.swap(0, Ordering::AcqRel);
     }
 
     /// Whether a request is pending.
-    pub fn is_requested(&self) -> bool {
+    pub(crate) fn is_requested(&self) -> bool {
         // Acquire: as `clear_request`.
         self.requested.load(Ordering::Acquire) != 0
     }
 
     /// Whether fewer than the low-water line's tokens are left below the mark for `tail`.
-    pub fn low(&self, tail: u64) -> bool {
+    pub(crate) fn low(&self, tail: u64) -> bool {
         ahead(self.mark(), tail) < self.low_water
     }
 
     /// Publishes `mark`, made durable by the store. Only the checkpointer calls it, one save at
     /// a time; a mark behind the current one is ignored. Returns whether the mark moved.
-    pub fn publish(&self, mark: u64) -> bool {
+    pub(crate) fn publish(&self, mark: u64) -> bool {
         if ahead(mark, self.mark()) > 0 {
             // Release: a grab that reads this mark reads a durable one (pairs with Acquire).
             self.mark.store(mark, Ordering::Release);

@@ -21,7 +21,7 @@
 
 mod checkpointer;
 mod file;
-mod gate;
+pub(crate) mod gate;
 #[cfg(feature = "postgres")]
 mod postgres;
 mod strict;
@@ -32,8 +32,6 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 pub use checkpointer::{CheckpointConfig, Checkpointer};
 pub use file::FileCheckpoint;
 pub use gate::MarkGate;
-#[cfg(iothrottle_loom)]
-pub use gate::{GrabCheck, MarkCore};
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use postgres::PgCheckpoint;

@@ -189,7 +189,10 @@ impl<M: Mode, C: Clock> CheckpointedBucket<M, C> {
             Ok((b, Some(report))) => Ok((b, RestoreOutcome::Restored(report))),
             Ok((b, None)) => Ok((b, RestoreOutcome::FirstStart)),
             Err(e) => {
-                tracing::warn!(error = %e, "checkpoint unusable: starting with an EMPTY bucket");
+                tracing::warn!(
+                    error = &e as &dyn std::error::Error,
+                    "checkpoint unusable: starting with an EMPTY bucket"
+                );
                 let bucket = empty_bucket(config, clock)?;
                 Ok((Self::new(bucket, durability)?, RestoreOutcome::Fallback(e)))
             }

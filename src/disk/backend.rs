@@ -125,7 +125,7 @@ pub(crate) struct RawIo {
 impl RawIo {
     fn ptr(&self) -> *mut u8 {
         match &self.buf {
-            // SAFETY (pointer arithmetic only): `start + len <= buf.len()` (type invariant), so
+            // SAFETY: pointer arithmetic only; `start + len <= buf.len()` (type invariant), so
             // the result stays inside the allocation.
             Some(b) => unsafe { b.raw().add(self.start) },
             None => std::ptr::null_mut(),
@@ -946,15 +946,15 @@ mod tests {
     /// A pipe whose one-page buffer is full of 1s: a write into it waits for a reader.
     fn full_pipe() -> (File, Arc<File>) {
         let mut fds = [0; 2];
-        // SAFETY: `fds` has room for the two descriptors.
         assert_eq!(
+            // SAFETY: `fds` has room for the two descriptors.
             unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_DIRECT | libc::O_CLOEXEC) },
             0
         );
         // SAFETY: both descriptors were just made and are owned by nothing else.
         let (rd, mut wr) = unsafe { (File::from_raw_fd(fds[0]), File::from_raw_fd(fds[1])) };
-        // SAFETY: plain fcntl on our own descriptor.
         assert!(
+            // SAFETY: plain fcntl on our own descriptor.
             unsafe { libc::fcntl(fds[1], libc::F_SETPIPE_SZ, super::super::ALIGN as i32) } >= 0
         );
         std::io::Write::write_all(&mut wr, &[1u8; super::super::ALIGN]).unwrap();

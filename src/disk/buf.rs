@@ -26,7 +26,7 @@ pub const ALIGN: usize = 4096;
 /// buf[..5].copy_from_slice(b"hello");
 /// assert_eq!(buf.as_ptr() as usize % ALIGN, 0);
 /// assert!(AlignedBuf::zeroed(1000).is_err()); // not a multiple of 4 KiB
-/// # Ok::<(), iothrottle::error::DiskError>(())
+/// # Ok::<(), iothrottle::DiskError>(())
 /// ```
 pub struct AlignedBuf {
     ptr: NonNull<u8>,

@@ -619,13 +619,12 @@ impl Bench<'_> {
 mod tests {
     use super::*;
 
-    /// The defects: the random-write figure was measured over what the ladder left (2.2 s in a
-    /// 20 s calibration) after a ramp of 0.25 s, so it measured the first seconds of writes that
-    /// a virtio disk's host cache absorbs at up to twice the rate it sustains (1.45× fio's
-    /// figure); and the sequential figures were measured for 2.4 s after a 0.6 s ramp, half of
-    /// fio's window, on a disk whose bandwidth drifts ±15% from one second to the next. fio's
-    /// reference runs 1 s of ramp and 5 s: at the default length and longer, every figure must
-    /// be measured at least that long.
+    /// Every figure is measured at least as long as fio's reference (1 s of ramp and 5 s) at
+    /// the default length and longer: measured over what the ladder leaves (2.2 s in a 20 s
+    /// calibration) after a ramp of 0.25 s, the random-write figure would catch the first
+    /// seconds of writes that a virtio disk's host cache absorbs at up to twice the rate it
+    /// sustains (1.45× fio's figure); and 2.4 s after a 0.6 s ramp, half of fio's window, is too
+    /// short on a disk whose bandwidth drifts ±15% from one second to the next.
     #[test]
     fn every_figure_is_measured_as_long_as_fio_at_the_default_length() {
         let default = CalibrateOptions::default().seconds;
@@ -656,11 +655,10 @@ mod tests {
         );
     }
 
-    /// The defect: the sequential read ran straight after seconds of unflushed random writes at
-    /// depth 128 (about 6% slower than after a flush, by fio), and whatever ran after
-    /// calibration inherited its unflushed writes. Every measured phase must now start with
-    /// nothing written and unflushed, each figure is measured once, and calibration ends
-    /// flushed.
+    /// Every measured phase starts with nothing written and unflushed, each figure is measured
+    /// once, and calibration ends flushed: a sequential read straight after seconds of
+    /// unflushed random writes at depth 128 is about 6% slower than after a flush (by fio), and
+    /// whatever runs after calibration must not inherit its unflushed writes.
     #[test]
     fn no_phase_is_measured_while_an_earlier_write_is_unflushed() {
         let mut unflushed = None;
@@ -693,8 +691,8 @@ mod tests {
         );
     }
 
-    /// The defect: the figure was measured at the best step's depth, so one noisy step at depth
-    /// 8 on a shared machine set the depth of the whole figure, far below saturation.
+    /// The figure is not measured at the best step's depth: one noisy step at depth 8 on a
+    /// shared machine would set the depth of the whole figure, far below saturation.
     #[test]
     fn a_noisy_shallow_best_step_does_not_set_the_depth() {
         let ladder: Vec<DepthStep> = [(8, 100.0), (16, 60.0), (32, 95.0), (64, 91.0), (128, 80.0)]

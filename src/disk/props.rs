@@ -81,7 +81,7 @@ impl DiskProperties {
     /// assert_eq!(model.read_bw, 2 << 30);
     /// assert_eq!(model.write_bw, 1_000_000_000);
     /// assert_eq!((model.read_iops, model.write_iops), (100_000, 50_000));
-    /// # Ok::<(), iothrottle::error::PropertiesError>(())
+    /// # Ok::<(), iothrottle::PropertiesError>(())
     /// ```
     pub fn disk_model(&self) -> DiskModel {
         DiskModel {

@@ -23,14 +23,14 @@ use crate::sync::{AtomicU64, Ordering};
 
 /// The shards' deadline words and the timer's stop flag.
 #[derive(Debug)]
-pub struct Alarms {
+pub(crate) struct Alarms {
     deadlines: Box<[AtomicU64]>,
     stop: AtomicU64,
 }
 
 impl Alarms {
     /// Alarms for `shards` shards, none armed.
-    pub fn new(shards: usize) -> Self {
+    pub(crate) fn new(shards: usize) -> Self {
         Alarms {
             deadlines: (0..shards).map(|_| AtomicU64::new(0)).collect(),
             stop: AtomicU64::new(0),
@@ -39,7 +39,7 @@ impl Alarms {
 
     /// Arms `shard`'s alarm for `at` (nanoseconds since the timer's origin, at least 1) and
     /// wakes the timer thread to take it into account.
-    pub fn arm(&self, shard: usize, at: u64, timer: &Thread) {
+    pub(crate) fn arm(&self, shard: usize, at: u64, timer: &Thread) {
         // Release: see the module's `# Orderings` (before the unpark). A swap rather than a
         // store: loom orders a plain store after a concurrent compare-exchange that read the
         // value before it (a modelling limit it reports as a lost re-arm); a swap is an RMW
@@ -49,14 +49,14 @@ impl Alarms {
     }
 
     /// Disarms `shard`'s alarm (it woke for another reason).
-    pub fn disarm(&self, shard: usize) {
+    pub(crate) fn disarm(&self, shard: usize) {
         // Release: see the module's `# Orderings`; a swap for the reason given in `arm`.
         self.deadlines[shard].swap(0, Ordering::Release);
     }
 
     /// `shard`'s deadline, 0 when none.
-    #[cfg(any(test, iothrottle_loom))]
-    pub fn deadline(&self, shard: usize) -> u64 {
+    #[cfg(test)]
+    pub(crate) fn deadline(&self, shard: usize) -> u64 {
         // Acquire: see the module's `# Orderings`.
         self.deadlines[shard].load(Ordering::Acquire)
     }
@@ -64,7 +64,7 @@ impl Alarms {
     /// One pass of the timer thread at `now`: takes every deadline at or before `now` and
     /// calls `ring` with its shard; returns the earliest deadline still pending. The caller
     /// then parks (until that deadline, or until an `arm` unparks it).
-    pub fn scan(&self, now: u64, mut ring: impl FnMut(usize)) -> Option<u64> {
+    pub(crate) fn scan(&self, now: u64, mut ring: impl FnMut(usize)) -> Option<u64> {
         let mut next: Option<u64> = None;
         for (shard, word) in self.deadlines.iter().enumerate() {
             // Acquire: see the module's `# Orderings`.
@@ -88,14 +88,14 @@ impl Alarms {
     }
 
     /// Asks the timer thread to stop, and wakes it.
-    pub fn stop(&self, timer: &Thread) {
+    pub(crate) fn stop(&self, timer: &Thread) {
         // Release: see the module's `# Orderings`.
         self.stop.store(1, Ordering::Release);
         timer.unpark();
     }
 
     /// `true` once [`stop`](Self::stop) was called.
-    pub fn stopped(&self) -> bool {
+    pub(crate) fn stopped(&self) -> bool {
         // Acquire: see the module's `# Orderings`.
         self.stop.load(Ordering::Acquire) != 0
     }

@@ -7,14 +7,14 @@ use crate::sync::{AtomicU64, Ordering};
 
 /// Tokens of one class reserved or running, and the most it may have.
 #[derive(Debug)]
-pub struct InFlightBound {
+pub(crate) struct InFlightBound {
     limit: u64,
     in_flight: AtomicU64,
 }
 
 impl InFlightBound {
     /// A bound of `limit` tokens, nothing in flight.
-    pub fn new(limit: u64) -> Self {
+    pub(crate) fn new(limit: u64) -> Self {
         InFlightBound {
             limit,
             in_flight: AtomicU64::new(0),
@@ -24,7 +24,7 @@ impl InFlightBound {
     /// Counts `cost` more tokens in flight if the bound allows it: always when nothing is in
     /// flight (one request alone always goes), else when the total stays within the limit.
     /// `false`: the request must wait for completions.
-    pub fn try_start(&self, cost: u64) -> bool {
+    pub(crate) fn try_start(&self, cost: u64) -> bool {
         // Relaxed: the counter publishes no other data; the check and the add are one
         // read-modify-write, which alone keeps the bound exact across shards.
         self.in_flight
@@ -35,7 +35,7 @@ impl InFlightBound {
     }
 
     /// `cost` tokens counted by [`try_start`](Self::try_start) completed or were given back.
-    pub fn finish(&self, cost: u64) {
+    pub(crate) fn finish(&self, cost: u64) {
         // Relaxed: as in `try_start`.
         let _ = self
             .in_flight
@@ -46,7 +46,7 @@ impl InFlightBound {
 
     /// Tokens in flight now (for the tests and the loom models).
     #[cfg_attr(not(test), allow(dead_code))]
-    pub fn in_flight(&self) -> u64 {
+    pub(crate) fn in_flight(&self) -> u64 {
         // Relaxed: a statistic (tests read it with the shards stopped).
         self.in_flight.load(Ordering::Relaxed)
     }

@@ -339,9 +339,9 @@ mod tests {
         assert_eq!(split(5000, u64::MAX).len(), 1);
     }
 
-    /// Regression: pieces of `submit_split` used to be cut at the exact byte that fit the
-    /// budget (e.g. 524_288_000 B/s × 500 µs = 262_144 + change), so they could not be issued
-    /// with O_DIRECT. They now start at 4 KiB multiples.
+    /// Pieces of `submit_split` start at 4 KiB multiples, not at the exact byte that fits the
+    /// budget (e.g. 524_288_000 B/s × 500 µs = 262_144 + change), so they can be issued with
+    /// O_DIRECT.
     #[test]
     fn split_pieces_are_4k_aligned_for_o_direct() {
         let d = DiskModel::new(300_000_000, 300_000_000, 10_000, 10_000);

@@ -51,17 +51,17 @@ use crate::sync::{AtomicU64, Ordering};
 
 /// Virtual-time units per token for a class of one share is `SCALE`: a class of `s` shares is
 /// charged `tokens × SCALE / s`.
-pub const SCALE: u64 = 1000;
+pub(crate) const SCALE: u64 = 1000;
 
 /// Fronts crossing a multiple of this trigger a renormalisation of their tier (or class).
-pub const RENORM_STEP: u64 = 1 << 60;
+pub(crate) const RENORM_STEP: u64 = 1 << 60;
 
 /// How far behind its front a counter is lifted by a renormalisation.
 const RENORM_LAG: u64 = 1 << 61;
 
 /// The most one charge adds to a virtual time or token count (a request costing more is
 /// accounted as costing this much: 6.7 days of disk time at 10^9 tokens/s).
-pub const MAX_CHARGE: u64 = 1 << 59;
+pub(crate) const MAX_CHARGE: u64 = 1 << 59;
 
 /// The number of tiers (normal, high).
 const TIERS: usize = 2;
@@ -69,9 +69,9 @@ const TIERS: usize = 2;
 /// Why a class may not reserve now: how many tokens the slowest competing class must be
 /// granted before it may (at least 1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Ahead {
+pub(crate) struct Ahead {
     /// Tokens the slowest competing class must be granted first.
-    pub tokens: u64,
+    pub(crate) tokens: u64,
 }
 
 /// One class's counters.
@@ -139,7 +139,7 @@ impl ClassCounters {
 }
 
 /// Raises `cell` to `to` if `to` is ahead of it (wrapping); returns the value before.
-pub fn raise(cell: &AtomicU64, to: u64) -> u64 {
+pub(crate) fn raise(cell: &AtomicU64, to: u64) -> u64 {
     // AcqRel on success / Acquire on failure: see the module's `# Orderings`.
     match cell.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
         (ahead(to, v) > 0).then_some(to)
@@ -154,7 +154,7 @@ fn crosses(before: u64, after: u64) -> bool {
 }
 
 /// `tokens` in the virtual time of a class with `shares`, at most [`MAX_CHARGE`].
-pub fn virtual_of(tokens: u64, shares: u64) -> u64 {
+pub(crate) fn virtual_of(tokens: u64, shares: u64) -> u64 {
     let v = match tokens.checked_mul(SCALE) {
         Some(t) => t / shares.max(1),
         None => u64::try_from(tokens as u128 * SCALE as u128 / shares.max(1) as u128)
@@ -165,7 +165,7 @@ pub fn virtual_of(tokens: u64, shares: u64) -> u64 {
 
 /// The fairness counters of all classes of a dispatcher.
 #[derive(Debug)]
-pub struct Fairness {
+pub(crate) struct Fairness {
     classes: Box<[ClassCounters]>,
     /// Per tier: the largest `V` any of its classes reached when charged (wrapping max).
     fronts: [CachePadded<AtomicU64>; TIERS],
@@ -178,7 +178,12 @@ pub struct Fairness {
 
 impl Fairness {
     /// Counters for classes given as `(shares, high priority)`, on `shards` shards.
-    pub fn new(classes: &[(u32, bool)], shards: usize, window: u64, idle_credit: u64) -> Self {
+    pub(crate) fn new(
+        classes: &[(u32, bool)],
+        shards: usize,
+        window: u64,
+        idle_credit: u64,
+    ) -> Self {
         let counters = || {
             (0..shards)
                 .map(|_| CachePadded::new(AtomicU64::new(0)))
@@ -205,8 +210,8 @@ impl Fairness {
     }
 
     /// Tests: starts every counter at `origin` (e.g. just below a wrap).
-    #[cfg(any(test, iothrottle_loom))]
-    pub fn start_at(&self, origin: u64) {
+    #[cfg(test)]
+    pub(crate) fn start_at(&self, origin: u64) {
         for c in self.classes.iter() {
             c.vtime.store(origin, Ordering::Release);
             c.shard_front.store(origin, Ordering::Release);
@@ -220,13 +225,13 @@ impl Fairness {
     }
 
     /// The class's current shares.
-    pub fn shares(&self, class: usize) -> u64 {
+    pub(crate) fn shares(&self, class: usize) -> u64 {
         self.classes[class].shares()
     }
 
     /// Changes the class's shares: its later charges count at the new shares; its virtual
     /// time so far stays.
-    pub fn set_shares(&self, class: usize, shares: u32) {
+    pub(crate) fn set_shares(&self, class: usize, shares: u32) {
         // Release: see the module's `# Orderings`.
         self.classes[class]
             .shares
@@ -234,36 +239,36 @@ impl Fairness {
     }
 
     /// `true` for a class of the high tier.
-    pub fn is_high(&self, class: usize) -> bool {
+    pub(crate) fn is_high(&self, class: usize) -> bool {
         self.classes[class].tier == 1
     }
 
     /// The class's virtual time.
-    pub fn vtime(&self, class: usize) -> u64 {
+    pub(crate) fn vtime(&self, class: usize) -> u64 {
         self.classes[class].vtime()
     }
 
     /// The tier's front.
-    pub fn front(&self, tier: usize) -> u64 {
+    pub(crate) fn front(&self, tier: usize) -> u64 {
         // Acquire: see the module's `# Orderings`.
         self.fronts[tier].load(Ordering::Acquire)
     }
 
     /// The class's token count on `shard`.
-    #[cfg(any(test, iothrottle_loom))]
-    pub fn shard_tokens(&self, class: usize, shard: usize) -> u64 {
+    #[cfg(test)]
+    pub(crate) fn shard_tokens(&self, class: usize, shard: usize) -> u64 {
         self.classes[class].shard_tokens(shard)
     }
 
     /// On how many shards the class is backlogged.
-    #[cfg(iothrottle_loom)]
-    pub fn backlogged(&self, class: usize) -> u64 {
+    #[cfg(all(test, iothrottle_loom))]
+    pub(crate) fn backlogged(&self, class: usize) -> u64 {
         // Acquire: see the module's `# Orderings`.
         self.classes[class].backlogged.load(Ordering::Acquire)
     }
 
     /// Charges `tokens` reserved by `shard` for `class`.
-    pub fn charge(&self, class: usize, shard: usize, tokens: u64) {
+    pub(crate) fn charge(&self, class: usize, shard: usize, tokens: u64) {
         let c = &self.classes[class];
         let dv = virtual_of(tokens, c.shares());
         // AcqRel: see the module's `# Orderings`.
@@ -313,7 +318,7 @@ impl Fairness {
     /// `min − window` over the class's other backlogged shards, and when it is the class's
     /// first backlogged shard, the class's virtual time is lifted to `min − idle_credit` over
     /// the other competing classes of its tier (or the tier's front): no banking of idle time.
-    pub fn activate(&self, class: usize, shard: usize) {
+    pub(crate) fn activate(&self, class: usize, shard: usize) {
         let c = &self.classes[class];
         // Release: a plain flag; see the module's `# Orderings`.
         c.shard_backlogged[shard].store(1, Ordering::Release);
@@ -336,7 +341,7 @@ impl Fairness {
     }
 
     /// `shard` no longer has `class` backlogged.
-    pub fn deactivate(&self, class: usize, shard: usize) {
+    pub(crate) fn deactivate(&self, class: usize, shard: usize) {
         let c = &self.classes[class];
         // Release: a plain flag; see the module's `# Orderings`.
         c.shard_backlogged[shard].store(0, Ordering::Release);
@@ -347,7 +352,7 @@ impl Fairness {
 
     /// A shard's head request of `class` starts (`true`) or stops (`false`) waiting for the
     /// class's bandwidth cap; a class waiting for its cap does not compete.
-    pub fn cap_waiting(&self, class: usize, waiting: bool) {
+    pub(crate) fn cap_waiting(&self, class: usize, waiting: bool) {
         let c = &self.classes[class].cap_waiting;
         // AcqRel: see the module's `# Orderings`.
         if waiting {
@@ -361,7 +366,7 @@ impl Fairness {
     /// normal, the class's virtual time is at most its window ahead of the slowest competing
     /// class of its tier, and the shard's tokens for the class at most one window ahead of the
     /// class's slowest backlogged shard. Otherwise, how many tokens the slowest must get first.
-    pub fn may_reserve(&self, class: usize, shard: usize) -> Result<(), Ahead> {
+    pub(crate) fn may_reserve(&self, class: usize, shard: usize) -> Result<(), Ahead> {
         let c = &self.classes[class];
         if c.tier == 0 && self.classes.iter().any(|o| o.tier == 1 && o.competing()) {
             return Err(Ahead {
@@ -494,17 +499,17 @@ mod tests {
         assert_eq!(c.shares(0), 1000);
     }
 
-    /// Regression (issue 8, defect 6): virtual time wrapped after ~107 days (2^63 units; 1
-    /// share at 10^9 tokens/s), after which a class that had been idle all along looked
-    /// 2^63 *ahead* of the busy one: its lift on waking was refused and it was starved.
-    /// Virtual times now stay within 2^62 of the front whatever the elapsed time.
+    /// Virtual time wraps after ~107 days (2^63 units; 1 share at 10^9 tokens/s); a class idle
+    /// all along must not then look 2^63 *ahead* of the busy one (its lift on waking would be
+    /// refused and it would starve). Virtual times stay within 2^62 of the front whatever the
+    /// elapsed time.
     #[test]
     fn an_idle_class_is_not_starved_after_virtual_time_wraps() {
         let c = fair(&[1, 1], 250_000, 250_000);
         c.activate(0, 0);
         // 2^40 tokens per charge at 1 share: 2^50 virtual units; 2^14 charges per wrap.
         // Three full wraps of the busy class's V (centuries at 10^9 tokens/s); the other class
-        // wakes after each three quarters of a wrap (2^63 and more behind: the old failure).
+        // wakes after each three quarters of a wrap (2^63 and more behind: where wrapping would bite).
         let step = 1u64 << 40;
         for round in 0..4 {
             for _ in 0..(3 << 12) {

@@ -43,14 +43,11 @@
 //! do differently from Seastar) follows.
 #![doc = include_str!("../../docs/dispatcher.md")]
 
-#[allow(unreachable_pub)] // `pub` for the loom build, which re-exports it (see `loom.rs`)
 pub(crate) mod alarm;
-#[allow(unreachable_pub)] // `pub` for the loom build, which re-exports it (see `loom.rs`)
 pub(crate) mod bound;
 mod budget;
 mod class;
 mod cost;
-#[allow(unreachable_pub)] // `pub` for the loom build, which re-exports it (see `loom.rs`)
 pub(crate) mod fair;
 mod handle;
 mod latency;
@@ -521,7 +518,7 @@ impl DispatcherBuilder {
     ///         }
     ///     })
     ///     .build()?;
-    /// # Ok::<(), iothrottle::error::BuildError>(())
+    /// # Ok::<(), iothrottle::BuildError>(())
     /// ```
     pub fn on_shard_start<F>(mut self, hook: F) -> Self
     where
@@ -557,7 +554,7 @@ impl DispatcherBuilder {
     ///     .build()?;
     /// dispatcher.shutdown();
     /// assert_eq!(stopped.load(Ordering::SeqCst), 2);
-    /// # Ok::<(), iothrottle::error::BuildError>(())
+    /// # Ok::<(), iothrottle::BuildError>(())
     /// ```
     pub fn on_shard_stop<F>(mut self, hook: F) -> Self
     where

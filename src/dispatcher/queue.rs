@@ -347,8 +347,8 @@ impl<P: Payload> Queues<P> {
 
 /// How long until the cap bucket can cover `missing` bytes: it must have earned them since its
 /// last replenish, and it adds bytes only in steps of its threshold (1 ms of the cap), so
-/// waking sooner than a threshold after the last replenish finds nothing new (the busy-polling
-/// of issue 8, defect 5).
+/// waking sooner than a threshold after the last replenish finds nothing new (it would
+/// busy-poll).
 fn cap_wait_for(cap: &CapBucket, missing: u64) -> Duration {
     use crate::clock::Clock;
     let need = cap

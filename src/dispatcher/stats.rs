@@ -381,8 +381,8 @@ mod latency_tests {
 
     /// Queue wait, service time and end-to-end latency are three separate distributions: a
     /// request that waits 10 µs and then runs 990 µs on the disk has a 10 µs queue wait, a
-    /// 990 µs service time and a 1 ms latency. (Queue wait alone used to be all there was, and
-    /// under-reported what callers saw.)
+    /// 990 µs service time and a 1 ms latency. (Queue wait alone under-reports what callers
+    /// see.)
     #[test]
     fn queue_wait_alone_under_reports_end_to_end_latency() {
         let mut r = ClassRecorder::new();

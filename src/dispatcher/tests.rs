@@ -401,7 +401,7 @@ fn long_run_rate_is_exact() {
 fn queue_depth_one_does_not_collapse() {
     // Each request runs 100 µs and costs 10 µs of disk time (a tenth of the rate per shard):
     // one shard alone does 10_000 IOPS; two shards must do about twice that. Full-limit
-    // reservations (Seastar before the fix of issue #3201) would hand each shard 2 ms of
+    // reservations (as in Seastar's io_queue up to its issue #3201) would hand each shard 2 ms of
     // tokens per request and collapse to ~500 IOPS each.
     let run = |shards: usize| {
         let mut b =
@@ -568,9 +568,9 @@ fn cancelled_requests_give_their_tokens_back() {
     assert!(core.is_idle());
 }
 
-/// Regression: a class waking up while the only other class is between two requests (queue
-/// depth 1, so not backlogged at that instant) used to keep its stale virtual time and take the
-/// disk for ~250 ms. It is now lifted relative to the front of virtual time.
+/// A class waking up while the only other class is between two requests (queue depth 1, so not
+/// backlogged at that instant) is lifted relative to the front of virtual time: it does not
+/// keep its stale virtual time and take the disk for ~250 ms.
 #[test]
 fn a_class_waking_next_to_a_queue_depth_one_class_does_not_bank() {
     let mut b = builder(1)
@@ -618,10 +618,9 @@ fn slow_sim(shards: usize) -> (Sim, ClassId) {
     (sim, c)
 }
 
-/// Regression (issue 8, defect 4): `Dispatcher::set_rate` did not wake the shards, and a shard
-/// kept the old rate's replenish period, so after a 1,000× raise a waiting request was still
-/// served at its old deadline (1 s instead of ~1 ms). Now every shard takes up the new rate
-/// within one replenish period.
+/// `Dispatcher::set_rate` wakes the shards, and every shard takes up the new rate within one
+/// replenish period: after a 1,000× raise a waiting request is served in ~1 ms, not at its
+/// old deadline (1 s).
 #[test]
 fn set_rate_wakes_every_shard() {
     let (mut sim, _) = slow_sim(2);
@@ -640,7 +639,7 @@ fn set_rate_wakes_every_shard() {
     sim.drain();
 }
 
-/// Issue 8, defect 3 through the dispatcher: the 10 ms before a raise earn 10 tokens at the
+/// Through the dispatcher: the 10 ms before a raise earn 10 tokens at the
 /// old rate, not 10,000 at the new one, so the waiting requests (1,980 tokens still owed) are
 /// served no earlier than ~2 ms after the raise (the bucket's `set_rate` closes the old rate's
 /// interval; `Dispatcher::set_rate` goes through it).
@@ -680,10 +679,10 @@ fn a_lowered_rate_holds_within_a_replenish_period() {
     sim.drain();
 }
 
-/// Regression (issue 8, defect 5): a class waiting for its bandwidth cap slept
-/// `cap.duration_for(missing)` — nanoseconds for a few bytes — although the cap bucket adds
-/// bytes only in steps of its threshold (1 ms of the cap): hundreds of wake-ups where one
-/// suffices. Counts the shard's polls; no timing.
+/// A class waiting for its bandwidth cap does not sleep `cap.duration_for(missing)` —
+/// nanoseconds for a few bytes — since the cap bucket adds bytes only in steps of its
+/// threshold (1 ms of the cap): that would be hundreds of wake-ups where one suffices. Counts
+/// the shard's polls; no timing.
 #[test]
 fn a_capped_class_does_not_busy_poll() {
     let mut b = builder(1);
@@ -827,7 +826,7 @@ fn a_high_priority_class_goes_first_within_the_rate() {
     sim.drain();
 }
 
-/// Shares hold while virtual time crosses its wrap (issue 8, defect 6).
+/// Shares hold while virtual time crosses its wrap.
 #[test]
 fn shares_hold_across_the_virtual_time_wrap() {
     let mut b = builder(2);
@@ -917,8 +916,8 @@ fn in_flight_disk_time_never_exceeds_the_latency_goal() {
 
 /// A foreground read arriving behind a deep compaction backlog is served within about the goal:
 /// at most the goal's disk time in flight, one reservation per shard (a batch and a piece)
-/// granted ahead of it, and its own cost. The same load with the old defaults (uncapped, a
-/// 4 ms limit) made it wait behind the whole burst.
+/// granted ahead of it, and its own cost. The same load on an uncapped dispatcher with a 4 ms
+/// limit makes it wait behind the whole burst.
 #[test]
 fn a_foreground_read_behind_a_large_background_backlog_waits_about_the_goal() {
     let run = |old: bool| {
@@ -998,7 +997,7 @@ fn p99(mut samples: Vec<Duration>) -> Duration {
     samples[(samples.len() * 99).div_ceil(100) - 1]
 }
 
-/// Issue 10, item 4: latency-target mode on a modelled disk that really serves half of what
+/// Latency-target mode on a modelled disk that really serves half of what
 /// the dispatcher's rate assumes (so the dispatcher alone would queue work in the disk, and
 /// latency grows with the queued disk time). A foreground class protects its p99 of 5 ms; a
 /// compaction starts at 1 s. Within 2 s of that load change the foreground meets its target,

@@ -376,7 +376,7 @@ impl KeyState {
     }
 
     /// Room for a lease: `max_lease − held`. Exact, as no failing take is ever counted in
-    /// `held` (defect: "a failing fast-path `try_take` makes a later refund vanish").
+    /// `held` (else a failing fast-path `try_take` could make a later refund vanish).
     fn room(&self, max_lease: u64) -> u64 {
         max_lease.saturating_sub(self.tokens.held())
     }
@@ -741,8 +741,8 @@ impl<C: Clock + Clone + std::fmt::Debug + 'static> Inner<C> {
     /// Leases for `key` on a task of its own, under the key's mutex, and waits for it. The
     /// lease is never cancelled with its caller: a caller dropped mid-lease leaves the lease to
     /// finish and deposit its tokens (under the mutex, so `held ≤ max_lease` still holds and
-    /// no tokens are taken from the row without landing in the key). Defect: "a cancelled
-    /// acquire loses the tokens of its lease in flight".
+    /// no tokens are taken from the row without landing in the key): a cancelled acquire never
+    /// loses the tokens of its lease in flight.
     async fn lease_detached(
         self: &Arc<Self>,
         key: &str,
@@ -1220,8 +1220,8 @@ mod tests {
         static AFTER_FAILED_TAKE: RefCell<Option<Hook>> = RefCell::new(None);
     }
 
-    /// Runs the test's hook, once, where a failing take has decided to fail: on the old local
-    /// bucket, between its claim and the refund of that claim.
+    /// Runs the test's hook, once, where a failing take has decided to fail (where a claim
+    /// counted until refunded would sit between the claim and its refund).
     pub(super) fn after_failed_take(ks: &KeyState) {
         if let Some(mut hook) = AFTER_FAILED_TAKE.with(|h| h.borrow_mut().take()) {
             hook(ks);
@@ -1242,10 +1242,10 @@ mod tests {
         assert!(!sql.contains('\u{1}'), "a placeholder was left");
     }
 
-    /// Defect: "a failing fast-path `try_take` in leased mode makes a later refund vanish".
-    /// The old local bucket counted a failing take's claim until it refunded it, so a lease
-    /// landing in between saw `held = 0`, asked for `max_lease`, and the failing take's
-    /// refund then overflowed the bucket: the tokens held before were lost.
+    /// A failing fast-path `try_take` in leased mode does not make a later refund vanish: were
+    /// a failing take's claim counted until it refunded it, a lease landing in between would
+    /// see `held = 0` and ask for `max_lease`, and the failing take's refund would then
+    /// overflow the bucket, losing the tokens held before.
     #[test]
     fn failing_fast_path_take_makes_no_refund_vanish() {
         const MAX_LEASE: u64 = 10;

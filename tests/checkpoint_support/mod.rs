@@ -1,5 +1,5 @@
 //! Shared by the checkpoint tests: a store wrapper that holds a save's write in flight after
-//! its caller was cancelled, and the defect-1 scenario run against any store.
+//! its caller was cancelled, and the cancelled-save scenario run against any store.
 #![allow(dead_code)]
 
 use std::sync::atomic::AtomicBool;
@@ -75,7 +75,7 @@ impl<S: Checkpoint> Checkpoint for Gated<S> {
     }
 }
 
-/// Defect 1: a `save_now` cancelled while its write is in flight, then a newer save that
+/// A `save_now` cancelled while its write is in flight, then a newer save that
 /// publishes a higher strict mark, then the old write lands: the store must keep the newer
 /// snapshot (its mark covers what was granted), else a restart regrants the difference.
 pub async fn a_cancelled_save_never_lands_over_a_newer_one<S: Checkpoint>(store: S) {
