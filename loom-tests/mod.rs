@@ -19,10 +19,12 @@
 //! Invariants are checked inside the threads while the others run, and exact results after
 //! the joins.
 //!
-//! Three crate-private hooks exist only in this build: `loom_claim_at` and `loom_fill` (the two
+//! Four crate-private hooks exist only in this build: `loom_claim_at` and `loom_fill` (the two
 //! halves of a replenish, so that a model can stall a replenisher between its CAS on the
-//! replenish time and its `head` update) and `loom_set_rate_at` (a rate change at a given time,
-//! returning what it added when it closed the old rate's interval).
+//! replenish time and its `head` update), `loom_set_rate_at` (a rate change at a given time,
+//! returning what it added when it closed the old rate's interval) and
+//! `loom_set_rate_stopping_at` (a rate change whose thread stops for ever at a given step, as
+//! a killed process would).
 //!
 //! A note on `snapshot()`: it reads `tail` before `head`, so a snapshot taken while grabbers run
 //! may show `head > tail + limit` (tail read, then a grab and a replenish). The sound in-thread
@@ -41,5 +43,6 @@ mod grab;
 mod leased;
 mod mixed;
 mod rate;
+mod rate_crash;
 mod replenish;
 mod throttle_deferred;

@@ -1,6 +1,6 @@
 //! Rate changes: `set_rate` racing replenishes (the time before the change is counted at the
 //! old rate and the time after it at the new one; the change takes effect at a clock reading
-//! inside the racing calls), and the two-slot seqlock of the regime (no torn rate for a
+//! inside the racing calls), and the lock-free cell of the regime (no torn rate for a
 //! reader, against one writer or two).
 
 use std::time::Duration;

@@ -109,6 +109,37 @@ impl Clock for FastClock {
     }
 }
 
+/// `CLOCK_MONOTONIC`, in nanoseconds since the system booted: one time base for every
+/// process of the machine (feature `shm`, Unix).
+///
+/// A [`MonotonicClock`] counts from its own origin (an [`Instant`], which the standard
+/// library does not promise to be comparable across processes), so buckets in shared memory
+/// ([`SharedTokenBucket::open`](crate::SharedTokenBucket::open)) use this one: on Linux
+/// `CLOCK_MONOTONIC` is system-wide, does not jump with the wall clock, and (unlike
+/// `CLOCK_BOOTTIME`) stops while the machine is suspended, so a suspend earns no tokens.
+///
+/// ```
+/// # #[cfg(all(feature = "shm", unix))] {
+/// use iothrottle::{Clock, SystemMonotonicClock};
+///
+/// let (a, b) = (SystemMonotonicClock.now(), SystemMonotonicClock.now());
+/// assert!(b >= a);
+/// # }
+/// ```
+#[cfg(all(feature = "shm", unix))]
+#[cfg_attr(docsrs, doc(cfg(feature = "shm")))]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SystemMonotonicClock;
+
+#[cfg(all(feature = "shm", unix))]
+impl Clock for SystemMonotonicClock {
+    fn now(&self) -> Duration {
+        let ts = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+        // CLOCK_MONOTONIC is never negative and tv_nsec is below 10^9.
+        Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+    }
+}
+
 /// A clock that moves only when told to; clones share one time.
 ///
 /// Starts at zero. Time is kept in whole nanoseconds.

@@ -162,6 +162,12 @@ mod loom_tests;
 pub mod throttle;
 
 pub use bucket::{BucketConfig, BucketState, Capped, Mode, Rate, SharedTokenBucket, Uncapped};
+#[cfg(all(feature = "shm", unix, not(iothrottle_loom)))]
+#[cfg_attr(docsrs, doc(cfg(feature = "shm")))]
+pub use bucket::{SharedMemoryBucket, ShmError};
+#[cfg(all(feature = "shm", unix))]
+#[cfg_attr(docsrs, doc(cfg(feature = "shm")))]
+pub use clock::SystemMonotonicClock;
 #[cfg(feature = "rt")]
 #[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
 pub use clock::TokioClock;

@@ -10,13 +10,20 @@ mod mode;
 mod rate;
 mod rate_cell;
 mod rovers;
+#[cfg(all(feature = "shm", unix, not(iothrottle_loom)))]
+mod shm;
 
 use std::fmt;
 use std::time::Duration;
 
 pub use mode::{Capped, Mode, Uncapped};
 pub use rate::Rate;
+#[cfg(all(feature = "shm", unix, not(iothrottle_loom)))]
+#[cfg_attr(docsrs, doc(cfg(feature = "shm")))]
+pub use shm::ShmError;
 
+#[cfg(all(feature = "shm", unix, not(iothrottle_loom)))]
+use crate::clock::SystemMonotonicClock;
 use crate::clock::{Clock, MonotonicClock};
 use crate::error::ConfigError;
 use give_back::GiveBacks;
@@ -159,10 +166,34 @@ impl BucketState {
 /// The rovers are counters, not locks: seeing `deficiency(t) == 0` does not make other threads'
 /// memory writes visible beyond the bucket's own state. Use your own synchronisation for data.
 pub struct SharedTokenBucket<M: Mode = Uncapped, C: Clock = MonotonicClock> {
-    rovers: Rovers<M>,
+    rovers: Home<M>,
     clock: C,
     /// Claims given back before `head` reached them ([`give_back`](Self::give_back)).
     give_backs: GiveBacks,
+}
+
+/// Where the rovers live: in the bucket, or in a file mapped by several processes. Every
+/// method of the bucket works on either through `Deref`.
+#[derive(Debug)]
+// The in-process rovers stay inline: boxing them would add a pointer chase to every grab.
+#[allow(clippy::large_enum_variant)]
+enum Home<M: Mode> {
+    Local(Rovers<M>),
+    #[cfg(all(feature = "shm", unix, not(iothrottle_loom)))]
+    Mapped(shm::Mapped<M>),
+}
+
+impl<M: Mode> std::ops::Deref for Home<M> {
+    type Target = Rovers<M>;
+
+    #[inline(always)]
+    fn deref(&self) -> &Rovers<M> {
+        match self {
+            Home::Local(r) => r,
+            #[cfg(all(feature = "shm", unix, not(iothrottle_loom)))]
+            Home::Mapped(m) => m.rovers(),
+        }
+    }
 }
 
 impl<M: Mode> SharedTokenBucket<M, MonotonicClock> {
@@ -181,7 +212,7 @@ impl<M: Mode, C: Clock> SharedTokenBucket<M, C> {
         let rate = config.rate.raw()?;
         let now = timestamp(clock.now());
         Ok(SharedTokenBucket {
-            rovers: Rovers::new(rate, config.limit, config.threshold, 0, now),
+            rovers: Home::Local(Rovers::new(rate, config.limit, config.threshold, 0, now)),
             clock,
             give_backs: GiveBacks::new(),
         })
@@ -231,16 +262,72 @@ impl<M: Mode, C: Clock> SharedTokenBucket<M, C> {
         let rate = config.rate.raw()?;
         let now = timestamp(clock.now());
         Ok(SharedTokenBucket {
-            rovers: Rovers::restored(
+            rovers: Home::Local(Rovers::restored(
                 rate,
                 config.limit,
                 config.threshold,
                 (state.tail, state.head, ceil),
                 now,
-            ),
+            )),
             clock,
             give_backs: GiveBacks::new(),
         })
+    }
+
+    /// Opens the bucket kept in the file at `path`, shared by every process that opens it,
+    /// creating it if there is none (feature `shm`, Unix). Time comes from `clock`, which must
+    /// read `CLOCK_MONOTONIC` since boot, like [`SystemMonotonicClock`] (the default of
+    /// [`open`](SharedTokenBucket::open)); the dispatcher wants it as an `Arc<dyn Clock>`.
+    ///
+    /// Every process that opens the same path with the same configuration (mode, limit,
+    /// threshold and rate) shares one bucket: one set of rovers and one rate, which
+    /// [`set_rate`](Self::set_rate) changes for all of them. A file that is not a bucket, is
+    /// cut short, has another layout version or comes from another boot, or a different
+    /// configuration, is a [`ShmError`] naming the problem. Creation is race-free: the file
+    /// appears at `path` whole (written under a temporary name in the same directory, then
+    /// linked). See `docs/shared-memory.md` for what to put the file on, and the limits.
+    ///
+    /// ```
+    /// # #[cfg(all(feature = "shm", target_os = "linux"))] {
+    /// use iothrottle::{BucketConfig, Rate, SharedMemoryBucket, ShmError, Uncapped};
+    ///
+    /// let dir = tempfile::tempdir()?;
+    /// let path = dir.path().join("disk0.bucket");
+    /// let cfg = BucketConfig::new(Rate::per_second(1_000), 100);
+    /// let a = SharedMemoryBucket::<Uncapped>::open(&path, cfg)?;
+    /// let b = SharedMemoryBucket::<Uncapped>::open(&path, cfg)?; // another process, as well
+    /// a.grab(30);
+    /// assert_eq!(b.snapshot().tail, 30); // one set of rovers
+    /// let other = BucketConfig::new(Rate::per_second(1_000), 200);
+    /// let err = SharedMemoryBucket::<Uncapped>::open(&path, other).unwrap_err();
+    /// assert!(matches!(err, ShmError::Incompatible { setting: "limit", .. }));
+    /// # }
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    #[cfg(all(feature = "shm", unix, not(iothrottle_loom)))]
+    #[cfg_attr(docsrs, doc(cfg(feature = "shm")))]
+    pub fn open_with_clock(
+        path: impl AsRef<std::path::Path>,
+        config: BucketConfig,
+        clock: C,
+    ) -> Result<Self, ShmError> {
+        let now = timestamp(clock.now());
+        let mapped = shm::open::<M>(path.as_ref(), &config, now)?;
+        Ok(SharedTokenBucket {
+            rovers: Home::Mapped(mapped),
+            clock,
+        })
+    }
+
+    /// The file the bucket lives in, if it is shared through memory
+    /// ([`open`](SharedTokenBucket::open)); `None` for a bucket of this process.
+    #[cfg(all(feature = "shm", unix, not(iothrottle_loom)))]
+    #[cfg_attr(docsrs, doc(cfg(feature = "shm")))]
+    pub fn shared_path(&self) -> Option<&std::path::Path> {
+        match &self.rovers {
+            Home::Local(_) => None,
+            Home::Mapped(m) => Some(m.path()),
+        }
     }
 
     /// Claims `n` tokens and returns the new tail: the tokens are there once
@@ -293,7 +380,16 @@ impl<M: Mode, C: Clock> SharedTokenBucket<M, C> {
     /// exactly `floor(rate × (t − t₀))`.
     #[inline]
     pub fn replenish(&self) -> u64 {
-        self.rovers.replenish(timestamp(self.clock.now()))
+        self.replenish_ns(timestamp(self.clock.now()))
+    }
+
+    #[inline]
+    fn replenish_ns(&self, now: u64) -> u64 {
+        #[cfg(all(feature = "shm-test-hooks", unix, not(iothrottle_loom)))]
+        if let Home::Mapped(m) = &self.rovers {
+            return shm::hooks::replenish(m.rovers(), now);
+        }
+        self.rovers.replenish(now)
     }
 
     /// [`replenish`](Self::replenish) at a time the caller already read from the bucket's clock
@@ -304,7 +400,7 @@ impl<M: Mode, C: Clock> SharedTokenBucket<M, C> {
     /// time.
     #[inline]
     pub fn replenish_at(&self, now: Duration) -> u64 {
-        self.rovers.replenish(timestamp(now))
+        self.replenish_ns(timestamp(now))
     }
 
     /// The loom models only: the first half of a replenish at `now` (the CAS on the replenish
@@ -326,6 +422,23 @@ impl<M: Mode, C: Clock> SharedTokenBucket<M, C> {
     #[cfg(all(test, iothrottle_loom))]
     pub(crate) fn loom_set_rate_at(&self, rate: Rate, now: Duration) -> u64 {
         self.rovers.set_rate(rate.raw().unwrap(), timestamp(now))
+    }
+
+    /// The loom models only: [`set_rate`](Self::set_rate) at `now` by a participant that stops
+    /// for ever at step `stop_at` (0: holding a ticket, 1..=12: after that many words of its
+    /// record, 13: published but not closed), or completes if it never gets there. Returns
+    /// what it added, `None` if it stopped.
+    #[cfg(all(test, iothrottle_loom))]
+    pub(crate) fn loom_set_rate_stopping_at(
+        &self,
+        rate: Rate,
+        now: Duration,
+        stop_at: u32,
+    ) -> Option<u64> {
+        self.rovers
+            .set_rate_stopping(rate.raw().unwrap(), timestamp(now), &|step| {
+                rate_cell::step_code(step) == stop_at
+            })
     }
 
     /// Gives back `n` grabbed-but-unused tokens; returns how many fitted (the rest would have
@@ -413,10 +526,21 @@ impl<M: Mode, C: Clock> SharedTokenBucket<M, C> {
     /// `floor(old × (s − t₀)) + floor(new × (t − s))` in all. Racing replenishes that read the
     /// clock after this call did may still count up to their own reading at the old rate: the
     /// change then takes effect at a clock reading between this call's start and its return.
-    /// Concurrent `set_rate` calls take turns; replenishers never wait for them.
+    ///
+    /// Lock-free, against other `set_rate` calls too: a caller stopped for ever at any point
+    /// (a thread descheduled, a process killed while sharing the bucket through memory) holds
+    /// back no other change and no replenish; the next `set_rate` closes an interval it left
+    /// open. Progress is guaranteed while fewer than four callers change the rate at the same
+    /// instant (more still proceed unless they keep overtaking each other).
     pub fn set_rate(&self, rate: Rate) -> Result<(), ConfigError> {
         let raw = rate.raw()?;
-        self.rovers.set_rate(raw, timestamp(self.clock.now()));
+        let now = timestamp(self.clock.now());
+        #[cfg(all(feature = "shm-test-hooks", unix, not(iothrottle_loom)))]
+        if let Home::Mapped(m) = &self.rovers {
+            shm::hooks::set_rate(m.rovers(), raw, now);
+            return Ok(());
+        }
+        self.rovers.set_rate(raw, now);
         Ok(())
     }
 
@@ -457,6 +581,25 @@ impl<M: Mode, C: Clock> SharedTokenBucket<M, C> {
     pub fn snapshot(&self) -> BucketState {
         let (tail, head, ceil) = self.rovers.positions();
         BucketState { tail, head, ceil }
+    }
+}
+
+/// A [`SharedTokenBucket`] in shared memory on the [`SystemMonotonicClock`], as
+/// [`open`](SharedTokenBucket::open) makes it (feature `shm`, Unix):
+/// `SharedMemoryBucket::<Uncapped>::open(path, config)`.
+///
+#[doc = include_str!("../../docs/shared-memory.md")]
+#[cfg(all(feature = "shm", unix, not(iothrottle_loom)))]
+#[cfg_attr(docsrs, doc(cfg(feature = "shm")))]
+pub type SharedMemoryBucket<M = Uncapped> = SharedTokenBucket<M, SystemMonotonicClock>;
+
+#[cfg(all(feature = "shm", unix, not(iothrottle_loom)))]
+#[cfg_attr(docsrs, doc(cfg(feature = "shm")))]
+impl<M: Mode> SharedTokenBucket<M, SystemMonotonicClock> {
+    /// [`open_with_clock`](SharedTokenBucket::open_with_clock) on the
+    /// [`SystemMonotonicClock`]: the bucket at `path`, shared by every process that opens it.
+    pub fn open(path: impl AsRef<std::path::Path>, config: BucketConfig) -> Result<Self, ShmError> {
+        Self::open_with_clock(path, config, SystemMonotonicClock)
     }
 }
 

@@ -60,6 +60,7 @@ pub(crate) mod private {
 
     /// Uncapped mode: no `ceil`, zero bytes.
     #[derive(Debug)]
+    #[repr(C)]
     pub struct NoCeil;
 
     impl CeilRover for NoCeil {
@@ -76,6 +77,7 @@ pub(crate) mod private {
 
     /// Capped mode: the `ceil` rover on its own cache line (completions come from every core).
     #[derive(Debug)]
+    #[repr(C)]
     pub struct CeilCounter(CachePadded<AtomicU64>);
 
     impl CeilRover for CeilCounter {

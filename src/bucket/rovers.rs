@@ -15,8 +15,8 @@
 //! - `last` is the end of the last counted interval. A replenish loads it (**Relaxed**), prices
 //!   `[last, now)` with the rate regime it then reads, and claims the interval with one CAS
 //!   from `last` to `now` (**Release** on success, **Relaxed** on failure). The regime read
-//!   ends with an Acquire fence, and a fence after a load that read a Release CAS synchronises
-//!   with it: a thread that read `last = t` also reads a regime at least as new as the one `t`
+//!   begins with an Acquire fence, and a fence after a load that read a Release CAS
+//!   synchronises with it: a thread that read `last = t` also reads a regime at least as new as the one `t`
 //!   was priced with (or closed with, by `set_rate`), so an interval is never priced at a rate
 //!   older than the one in force when it started. Loom shows both Releases are needed.
 //!   Losers return at once: the winner's interval covers their time. A winner stalled between
@@ -25,14 +25,19 @@
 //! - `set_rate` publishes a new regime (old rate up to the epoch, new rate after) and then
 //!   closes the old rate's interval with the same CAS on `last`; the regime is published before
 //!   `last` passes the epoch, and the regime's writer observed `last ≥ prev_epoch` before
-//!   publishing, so a replenisher that read an older `last` fails its CAS.
+//!   publishing, so a replenisher that read an older `last` fails its CAS. Publishing is
+//!   lock-free (see `rate_cell`): a writer stopped forever after publishing leaves its
+//!   interval open, and the next `set_rate` closes it first.
+//!
+//! Every type here is `#[repr(C)]` and made only of atomics and integers fixed at creation,
+//! so the rovers can also live in a file mapped by several processes (`shm`).
 
 use crossbeam_utils::CachePadded;
 
 use crate::bucket::mode::private::{CeilRover, Sealed};
 use crate::bucket::mode::Mode;
 use crate::bucket::rate::RawRate;
-use crate::bucket::rate_cell::{RateCell, Regime};
+use crate::bucket::rate_cell::{RateCell, Regime, Step};
 use crate::sync::{AtomicU64, Ordering};
 
 /// `last` before the first replenish: the first replenish fills the bucket.
@@ -69,6 +74,7 @@ fn earlier(a: u64, b: u64) -> u64 {
 /// `last` only moves forward, by CAS, and every move claims the interval it skips: the tokens
 /// the regime prices for it are added by the thread whose CAS succeeded.
 #[derive(Debug)]
+#[repr(C)]
 struct Replenisher {
     /// End of the last counted interval (nanoseconds on the bucket's clock), `FRESH` before the
     /// first replenish.
@@ -89,6 +95,7 @@ struct Replenisher {
 /// correct while any two rovers are less than 2^63 apart (the limit is at most 2^62, so a queue
 /// of up to 2^62 claimed tokens is safe).
 #[derive(Debug)]
+#[repr(C)]
 pub(crate) struct Rovers<M: Mode> {
     /// Advanced by `grab`. On its own cache line: every core writes it.
     tail: CachePadded<AtomicU64>,
@@ -318,35 +325,51 @@ impl<M: Mode> Rovers<M> {
     /// even below the threshold), the time after it at the new one. Returns the tokens added.
     ///
     /// If another thread already counted past `now`, the change starts at that point instead.
+    #[inline]
     pub(crate) fn set_rate(&self, rate: RawRate, now: u64) -> u64 {
+        self.set_rate_stopping(rate, now, &|_| false).unwrap_or(0)
+    }
+
+    /// [`set_rate`](Self::set_rate), asking `stop` at each step whether to stop there for
+    /// ever (a participant killed mid-change); `None` if it stopped.
+    pub(crate) fn set_rate_stopping(
+        &self,
+        rate: RawRate,
+        now: u64,
+        stop: &impl Fn(Step) -> bool,
+    ) -> Option<u64> {
         let now = now.min(MAX_TIMESTAMP);
         let mut added = 0;
-        let next = self.repl.regime.update(|current| {
-            // An earlier change may not be closed yet (its writer stalled after publishing);
-            // close it, so that the one old rate our regime keeps is enough.
-            added += self.close(&current);
-            // Relaxed: only its value matters (`last` only grows, so the epoch is not behind
-            // it); we hold the writer turn, and `close` above made it reach the old epoch.
-            let last = self.repl.last.load(Ordering::Relaxed);
-            if last == FRESH {
-                // Nothing was counted yet (the first replenish fills the bucket): the new
-                // rate prices everything, and from 0 any `last` a racing first fill stores.
-                Regime {
-                    rate,
-                    epoch: now,
-                    prev: rate,
-                    prev_epoch: 0,
+        let next = self.repl.regime.update(
+            |current| {
+                // An earlier change may not be closed yet (its writer stopped after publishing);
+                // close it, so that the one old rate our regime keeps is enough.
+                added += self.close(&current);
+                // Relaxed: only its value matters (`last` only grows, so the epoch is not behind
+                // it); `close` above made it reach the old epoch, and our regime is published
+                // only if no other writer published since `current`.
+                let last = self.repl.last.load(Ordering::Relaxed);
+                if last == FRESH {
+                    // Nothing was counted yet (the first replenish fills the bucket): the new
+                    // rate prices everything, and from 0 any `last` a racing first fill stores.
+                    Regime {
+                        rate,
+                        epoch: now,
+                        prev: rate,
+                        prev_epoch: 0,
+                    }
+                } else {
+                    Regime {
+                        rate,
+                        epoch: now.max(last),
+                        prev: current.rate,
+                        prev_epoch: current.epoch,
+                    }
                 }
-            } else {
-                Regime {
-                    rate,
-                    epoch: now.max(last),
-                    prev: current.rate,
-                    prev_epoch: current.epoch,
-                }
-            }
-        });
-        added + self.close(&next)
+            },
+            stop,
+        )?;
+        Some(added + self.close(&next))
     }
 
     /// The time of the last replenish, `None` before the first.

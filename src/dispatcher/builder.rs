@@ -46,6 +46,8 @@ pub struct DispatcherBuilder {
     clock: ArcClock,
     /// The checkpointed bucket's own bucket and its gate ([`checkpoint`](Self::checkpoint)).
     checkpoint: Option<(Budget, Arc<MarkGate>)>,
+    /// A bucket given whole ([`shared_bucket`](Self::shared_bucket)).
+    shared: Option<Budget>,
 }
 
 impl fmt::Debug for DispatcherBuilder {
@@ -91,6 +93,7 @@ impl DispatcherBuilder {
             classes: Vec::new(),
             clock: Arc::new(MonotonicClock::new()),
             checkpoint: None,
+            shared: None,
         }
     }
 
@@ -352,6 +355,34 @@ impl DispatcherBuilder {
         self
     }
 
+    /// Dispatches from a bucket made elsewhere, typically one shared by several processes
+    /// through memory ([`SharedTokenBucket::open_with_clock`](crate::SharedTokenBucket::open_with_clock),
+    /// feature `shm`): then the dispatchers of every process that opened it split one disk's
+    /// budget, each by the shares of its own classes.
+    ///
+    /// The bucket's rate, limit, threshold, mode and clock replace the builder's, as with
+    /// [`checkpoint`](Self::checkpoint) (which takes precedence if both are given). Build the
+    /// bucket on an `Arc<dyn Clock>`, the dispatcher's clock type; for a bucket in shared
+    /// memory, that clock must be a [`SystemMonotonicClock`](crate::SystemMonotonicClock).
+    ///
+    /// Waiting stays per process: a shard that is short of tokens sleeps for the time the
+    /// shared rovers say its reservation needs (`duration_for` of its deficiency) and polls
+    /// again; no process wakes another, and none needs to.
+    pub fn shared_bucket<M: Mode>(mut self, bucket: Arc<SharedTokenBucket<M, ArcClock>>) -> Self {
+        let bucket: Arc<dyn std::any::Any + Send + Sync> = bucket;
+        self.shared = Some(
+            match bucket.downcast::<SharedTokenBucket<Uncapped, ArcClock>>() {
+                Ok(b) => Budget::Uncapped(b),
+                Err(bucket) => Budget::Capped(
+                    bucket
+                        .downcast::<SharedTokenBucket<Capped, ArcClock>>()
+                        .expect("Mode is sealed: Capped or Uncapped"),
+                ),
+            },
+        );
+        self
+    }
+
     /// Adds a class and keeps the chain going; its id is its position (0, 1, …), and
     /// [`Dispatcher::class_id`] finds it by name. The class is checked by
     /// [`build`](Self::build) (shares in `1..=1000`, a positive cap, a unique name).
@@ -444,9 +475,10 @@ impl DispatcherBuilder {
                 max: Duration::from_nanos(BucketConfig::MAX_LIMIT),
             });
         }
-        let (budget, gate) = match &self.checkpoint {
-            Some((budget, gate)) => (budget.clone(), Some(Arc::clone(gate))),
-            None => {
+        let (budget, gate) = match (&self.checkpoint, &self.shared) {
+            (Some((budget, gate)), _) => (budget.clone(), Some(Arc::clone(gate))),
+            (None, Some(budget)) => (budget.clone(), None),
+            (None, None) => {
                 let limit = self.limit.unwrap_or(goal_tokens);
                 let threshold = self.threshold.unwrap_or_else(|| {
                     let t = self.rate.tokens_in(Duration::from_micros(20));
@@ -487,7 +519,8 @@ impl DispatcherBuilder {
         // Checked when `max_cost` follows the goal; an explicit `max_cost`, limit or
         // checkpointed bucket is taken as given (raw-token requests need no disk model).
         let follows_goal =
-            self.max_cost.is_none() && self.limit.is_none() && self.checkpoint.is_none();
+            self.max_cost.is_none() && self.limit.is_none() && self.checkpoint.is_none()
+            && self.shared.is_none();
         for (kind, name) in [(IoKind::Read, "read"), (IoKind::Write, "write")] {
             if follows_goal && disk.max_aligned_bytes_within(kind, max_cost).is_none() {
                 let cost = disk.cost(&IoRequest::new(kind, SPLIT_ALIGN));
