@@ -12,8 +12,8 @@ mod common;
 use common::disk::{dispatcher, rt};
 use iothrottle::disk::{AlignedBuf, FileOptions, IoBuf, IoBufMut, ThrottledFile, ALIGN};
 use iothrottle::dispatcher::{ClassConfig, DiskModel, Dispatcher, DispatcherBuilder, IoKind};
-use iothrottle::{BuildError, DiskError};
 use iothrottle::Rate;
+use iothrottle::{BuildError, DiskError};
 
 fn scratch() -> tempfile::TempDir {
     tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap()
@@ -138,12 +138,10 @@ fn one_open_file_serves_requests_of_each_class() {
     assert!(
         matches!(
             res,
-            Err(DiskError::Submit(
-                iothrottle::SubmitError::UnknownClass {
-                    class: 2,
-                    classes: 2
-                }
-            ))
+            Err(DiskError::Submit(iothrottle::SubmitError::UnknownClass {
+                class: 2,
+                classes: 2
+            }))
         ),
         "{res:?}"
     );

@@ -316,6 +316,9 @@ impl<M: Mode, C: Clock> SharedTokenBucket<M, C> {
         Ok(SharedTokenBucket {
             rovers: Home::Mapped(mapped),
             clock,
+            // Deferred give-backs stay with this process: a claim it gives back is applied
+            // when this process next sees `head` reach it (its refunds and replenishes).
+            give_backs: GiveBacks::new(),
         })
     }
 

@@ -517,9 +517,10 @@ impl DispatcherBuilder {
         }
         // A disk too slow for the goal would refuse every read or write later: say so now.
         // Checked when `max_cost` follows the goal; an explicit `max_cost`, limit or
-        // checkpointed bucket is taken as given (raw-token requests need no disk model).
-        let follows_goal =
-            self.max_cost.is_none() && self.limit.is_none() && self.checkpoint.is_none()
+        // checkpointed or shared bucket is taken as given (raw-token requests need no disk model).
+        let follows_goal = self.max_cost.is_none()
+            && self.limit.is_none()
+            && self.checkpoint.is_none()
             && self.shared.is_none();
         for (kind, name) in [(IoKind::Read, "read"), (IoKind::Write, "write")] {
             if follows_goal && disk.max_aligned_bytes_within(kind, max_cost).is_none() {
