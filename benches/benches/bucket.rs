@@ -4,7 +4,8 @@
 //!
 //! | case | what one op is |
 //! |---|---|
-//! | `iothrottle_grab_deficiency` | `grab(1)` + `deficiency`, a `replenish()` every 64 grabs (bucket on a `FastClock`) |
+//! | `iothrottle_grab_deficiency` | `grab(1)` + `deficiency`, a `replenish()` every 64 grabs (bucket on a `FastClock`, at the dispatcher's rate: 10^9 tokens/s) |
+//! | `iothrottle_grab_deficiency_max_rate` (1t) | the same at `Rate::MAX_PER_SECOND`, where each replenish divides in 128 bits |
 //! | `iothrottle_grab_deficiency_monotonic` (1t) | the same on a `MonotonicClock` (`Instant::now()`): what the clock costs |
 //! | `iothrottle_grab_deficiency_only` (1t) | `grab(1)` + `deficiency`, never a replenish: the fast path alone |
 //! | `atomic_fetch_add_floor` | `AtomicU64::fetch_add` + `load`: the floor |
@@ -37,12 +38,14 @@ use iothrottle::{
 /// Replenish (or add permits back) once every this many ops, as Seastar's I/O queue roughly does.
 const REPLENISH_EVERY: u64 = 64;
 
-/// A bucket that never throttles in a benchmark: the highest rate and the largest limit.
-fn iothrottle_bucket<C: Clock>(clock: C) -> SharedTokenBucket<Uncapped, C> {
-    let cfg = BucketConfig::new(
-        Rate::per_second(Rate::MAX_PER_SECOND),
-        BucketConfig::MAX_LIMIT,
-    );
+/// The dispatcher's rate: one token per nanosecond of disk time. With the largest limit it
+/// never throttles here (one grab of one token takes longer than a nanosecond).
+const DISK_RATE: u64 = 1_000_000_000;
+
+/// A bucket that never throttles in a benchmark: `per_second` tokens a second and the largest
+/// limit.
+fn iothrottle_bucket<C: Clock>(clock: C, per_second: u64) -> SharedTokenBucket<Uncapped, C> {
+    let cfg = BucketConfig::new(Rate::per_second(per_second), BucketConfig::MAX_LIMIT);
     let b = SharedTokenBucket::<Uncapped, C>::with_clock(cfg, clock).expect("valid config");
     b.replenish(); // the first replenish fills the bucket
     b
@@ -266,21 +269,29 @@ pub fn bucket(c: &mut Criterion) {
     one(
         &mut g,
         "iothrottle_grab_deficiency",
-        iothrottle_bucket(FastClock::new()),
+        iothrottle_bucket(FastClock::new(), DISK_RATE),
+        iothrottle_op,
+    );
+    // The highest rate a bucket takes: its count no longer fits 64 bits, so each replenish
+    // divides in 128 bits.
+    one(
+        &mut g,
+        "iothrottle_grab_deficiency_max_rate",
+        iothrottle_bucket(FastClock::new(), Rate::MAX_PER_SECOND),
         iothrottle_op,
     );
     // What the clock costs: the same on `Instant::now()`.
     one(
         &mut g,
         "iothrottle_grab_deficiency_monotonic",
-        iothrottle_bucket(MonotonicClock::new()),
+        iothrottle_bucket(MonotonicClock::new(), DISK_RATE),
         iothrottle_op,
     );
     // What the replenish every 64 grabs costs: the same ops without it.
     one(
         &mut g,
         "iothrottle_grab_deficiency_only",
-        iothrottle_bucket(FastClock::new()),
+        iothrottle_bucket(FastClock::new(), DISK_RATE),
         iothrottle_fast_path_op,
     );
     one(
@@ -301,7 +312,7 @@ pub fn bucket(c: &mut Criterion) {
     two(
         &mut g,
         "iothrottle_grab_deficiency",
-        iothrottle_bucket(FastClock::new()),
+        iothrottle_bucket(FastClock::new(), DISK_RATE),
         iothrottle_op,
     );
     two(
