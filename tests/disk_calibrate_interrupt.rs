@@ -1,6 +1,7 @@
 //! Calibration interrupted by Ctrl-C leaves no scratch file: a child process (this test binary,
 //! running the ignored `calibrating_child`) calibrates, the parent sends it `SIGINT` while its
 //! scratch file is open, and the directory is empty afterwards.
+#![cfg(feature = "rt")] // calibration is part of the tokio layers
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -15,7 +16,10 @@ const SCRATCH_PREFIX: &str = ".iothrottle-calibrate-";
 #[test]
 #[ignore = "run as a child process by calibration_interrupted_by_sigint_leaves_no_scratch_file"]
 fn calibrating_child() {
-    let dir = std::env::var(CHILD_DIR).expect("run by the parent test");
+    // Started any other way (e.g. with every ignored test), there is nothing to do.
+    let Ok(dir) = std::env::var(CHILD_DIR) else {
+        return;
+    };
     let options = CalibrateOptions {
         seconds: 5,
         file_size: 64 << 20,

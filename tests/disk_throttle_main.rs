@@ -1,5 +1,6 @@
 //! The main job's (`examples/disk_throttle`) flags and its open-loop arithmetic, compiled from
 //! the example's own modules.
+#![cfg(feature = "rt")] // the example needs the tokio layers
 
 use std::time::{Duration, Instant};
 
