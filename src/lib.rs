@@ -140,7 +140,8 @@ mod dispatcher {
     #[path = "fair.rs"]
     pub(crate) mod fair;
 }
-mod error;
+#[cfg(all(test, not(iothrottle_loom)))]
+mod error_tests;
 #[cfg(not(iothrottle_loom))]
 pub mod keyed;
 // Leased mode's atomic core: used by `pg`'s leased mode, and modelled by the loom tests.
@@ -175,13 +176,25 @@ pub use clock::{Clock, FastClock, ManualClock, MonotonicClock};
 #[cfg(all(feature = "rt", not(iothrottle_loom)))]
 #[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
 pub use dispatcher::{ClassConfig, ClassId, DiskModel, Dispatcher, IoRequest};
-pub use error::{
-    AcquireError, BuildError, CheckpointError, ClockError, ConfigError, ControlError,
-    DispatchError, ParseRateError, ShutdownError, SubmitError, TryAcquireError,
-};
+// The errors: each is defined with the module that returns it (in a private `error` module) and
+// has its one public path here.
+pub use bucket::error::{ConfigError, ParseRateError};
+#[cfg(feature = "rt")]
+#[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
+pub use checkpoint::error::CheckpointError;
+pub use clock::error::ClockError;
 #[cfg(all(feature = "rt", not(iothrottle_loom)))]
 #[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
-pub use error::{CalibrateError, DiskError, PropertiesError};
+pub use disk::error::{CalibrateError, DiskError, PropertiesError};
+#[cfg(all(feature = "rt", not(iothrottle_loom)))]
+#[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
+pub use dispatcher::error::{BuildError, ControlError, DispatchError, ShutdownError, SubmitError};
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub use pg::error::PgLimitError;
+#[cfg(feature = "rt")]
+#[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
+pub use throttle::error::{AcquireError, TryAcquireError};
 #[cfg(feature = "rt")]
 #[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
 pub use throttle::{Permit, Throttle};
@@ -190,6 +203,3 @@ pub use throttle::{Permit, Throttle};
 #[cfg(all(doctest, feature = "rt"))]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
-#[cfg(feature = "postgres")]
-#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
-pub use error::PgLimitError;

@@ -5,6 +5,7 @@
 //! invariants and the orderings are described in `docs/design.md`, included below.
 #![doc = include_str!("../../docs/design.md")]
 
+pub(crate) mod error;
 mod give_back;
 mod mode;
 mod rate;
@@ -25,7 +26,7 @@ pub use shm::ShmError;
 #[cfg(all(feature = "shm", unix, not(iothrottle_loom)))]
 use crate::clock::SystemMonotonicClock;
 use crate::clock::{Clock, MonotonicClock};
-use crate::error::ConfigError;
+use error::ConfigError;
 use give_back::GiveBacks;
 use rovers::{Rovers, MAX_TIMESTAMP};
 

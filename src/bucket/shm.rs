@@ -37,11 +37,11 @@ use std::path::{Path, PathBuf};
 
 use memmap2::{MmapOptions, MmapRaw};
 
+use super::error::ConfigError;
 use crate::bucket::mode::Mode;
 use crate::bucket::rate::RawRate;
 use crate::bucket::rovers::Rovers;
 use crate::bucket::BucketConfig;
-use crate::error::ConfigError;
 
 /// The file's magic bytes.
 const MAGIC: [u8; 8] = *b"IOTHRBKT";

@@ -10,8 +10,8 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
 use tokio::sync::oneshot;
 
 use crate::bucket::{BucketState, Rate};
-use crate::error::{BuildError, ConfigError, ControlError, ShutdownError, SubmitError};
 use crate::sync::{Arc, AtomicU64, Ordering};
+use crate::{BuildError, ConfigError, ControlError, ShutdownError, SubmitError};
 
 use super::class::{ClassConfig, ClassId};
 use super::cost::{self, DiskModel, IoKind, IoRequest, Piece};
@@ -641,7 +641,7 @@ impl Dispatcher {
     /// User futures whose `poll` or `drop` panicked, and stop hooks
     /// ([`DispatcherBuilder::on_shard_stop`]) that panicked. Each panic was caught on its
     /// shard, which kept running; a panic in `poll` (or in `drop` after completing) reaches the
-    /// request's handle as [`DispatchError::Panicked`](crate::error::DispatchError::Panicked);
+    /// request's handle as [`DispatchError::Panicked`](crate::DispatchError::Panicked);
     /// one in the `drop` of a cancelled request has no handle to reach and is only counted, as
     /// is a stop hook's.
     pub fn panics(&self) -> u64 {
@@ -664,7 +664,7 @@ impl Dispatcher {
     }
 
     /// Stops taking requests, fails everything not yet dispatched with
-    /// [`DispatchError::ShutDown`](crate::error::DispatchError::ShutDown) (their tokens go
+    /// [`DispatchError::ShutDown`](crate::DispatchError::ShutDown) (their tokens go
     /// back), waits for the futures already running and joins the shard threads. Idempotent.
     ///
     /// **Blocks the calling thread** like [`shutdown`](Self::shutdown).

@@ -51,6 +51,7 @@ mod class;
 mod cost;
 #[allow(clippy::module_inception)] // the `Dispatcher` type's own file, beside its builder's
 mod dispatcher;
+pub(crate) mod error;
 pub(crate) mod fair;
 mod fast;
 mod handle;

@@ -20,8 +20,8 @@ use tokio::sync::mpsc::WeakUnboundedSender;
 use tokio::sync::oneshot;
 use tokio::task::AbortHandle;
 
-use crate::error::SubmitError;
 use crate::sync::{Arc, Ordering};
+use crate::SubmitError;
 
 use super::class::ClassId;
 use super::cost::IoRequest;

@@ -24,7 +24,7 @@ mod pace;
 
 use crate::bucket::BucketConfig;
 use crate::clock::{Clock, FastClock};
-use crate::error::ConfigError;
+use crate::ConfigError;
 use map::Map;
 use pace::{Pace, Shortfall};
 
