@@ -80,9 +80,18 @@ fn no_error_prints_its_cause_twice() {
             input: "0/s".into(),
             source: config_error(),
         }),
-        Box::new(crate::keyed::KeyedConfigError::Bucket(config_error())),
+        Box::new(crate::KeyedConfigError::Bucket(config_error())),
     ];
     with_a_cause.extend(rt_errors_with_a_cause());
+    #[cfg(all(feature = "shm", unix))]
+    with_a_cause.extend([
+        Box::new(crate::ShmError::Config(config_error())) as Box<dyn Error + 'static>,
+        Box::new(crate::ShmError::Io {
+            op: "open",
+            path: "/dev/shm/b".into(),
+            source: std::io::Error::new(std::io::ErrorKind::PermissionDenied, "the OS said no"),
+        }),
+    ]);
     for e in &with_a_cause {
         assert!(check_chain(e.as_ref()) >= 2, "{e:?} has no cause");
     }

@@ -162,10 +162,10 @@ mod loom_tests;
 #[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
 pub mod throttle;
 
-pub use bucket::{BucketConfig, BucketState, Capped, Mode, Rate, SharedTokenBucket, Uncapped};
 #[cfg(all(feature = "shm", unix, not(iothrottle_loom)))]
 #[cfg_attr(docsrs, doc(cfg(feature = "shm")))]
-pub use bucket::{SharedMemoryBucket, ShmError};
+pub use bucket::{error::ShmError, SharedMemoryBucket};
+pub use bucket::{BucketConfig, BucketState, Capped, Mode, Rate, SharedTokenBucket, Uncapped};
 #[cfg(all(feature = "shm", unix))]
 #[cfg_attr(docsrs, doc(cfg(feature = "shm")))]
 pub use clock::SystemMonotonicClock;
@@ -188,7 +188,11 @@ pub use clock::error::ClockError;
 pub use disk::error::{CalibrateError, DiskError, PropertiesError};
 #[cfg(all(feature = "rt", not(iothrottle_loom)))]
 #[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
-pub use dispatcher::error::{BuildError, ControlError, DispatchError, ShutdownError, SubmitError};
+pub use dispatcher::error::{
+    BuildError, ControlError, DispatchError, JoinError, ShutdownError, SpawnError, SubmitError,
+};
+#[cfg(not(iothrottle_loom))]
+pub use keyed::error::{KeyedConfigError, KeyedError};
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use pg::error::PgLimitError;

@@ -1,4 +1,5 @@
-//! The bucket's errors: a configuration or rate change it refuses, a rate string it cannot parse.
+//! The bucket's errors: a configuration or rate change it refuses, a rate string it cannot parse,
+//! a shared-memory bucket file it cannot open.
 //! Defined here, re-exported at the crate root (their one public path). `Display` is the
 //! error's own message only; a cause is returned by `source()`, so reporters (anyhow, eyre) print
 //! each cause once.
@@ -104,5 +105,94 @@ pub enum ParseRateError {
         input: String,
         /// Why a bucket refuses it.
         source: ConfigError,
+    },
+}
+
+#[cfg(all(feature = "shm", unix, not(iothrottle_loom)))]
+#[cfg_attr(docsrs, doc(cfg(feature = "shm")))]
+/// Why a shared-memory bucket could not be opened.
+///
+/// Each variant names the file; a mismatch names the setting that differs.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ShmError {
+    /// The configuration passed is not a valid bucket configuration.
+    #[error("invalid configuration for a shared bucket")]
+    Config(#[from] ConfigError),
+    /// A file operation failed.
+    #[error("cannot {op} {path}")]
+    Io {
+        /// What was being done.
+        op: &'static str,
+        /// The file.
+        path: std::path::PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file does not start with the bucket's magic: it is something else.
+    #[error("{path} is not a shared bucket")]
+    NotABucket {
+        /// The file.
+        path: std::path::PathBuf,
+    },
+    /// The file is shorter than its layout needs (cut short, or still being written by a
+    /// tool that does not use [`SharedTokenBucket::open`](crate::SharedTokenBucket::open)).
+    #[error("{path} is {len} bytes, a shared bucket needs {need}")]
+    Truncated {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Its length.
+        len: u64,
+        /// The length its layout needs.
+        need: u64,
+    },
+    /// The file was written by a build with another layout version.
+    #[error("{path} has bucket layout version {found}, this build reads version {expected}")]
+    Version {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The file's version.
+        found: u32,
+        /// This build's version.
+        expected: u32,
+    },
+    /// Same version but another state size or offset: a build for another platform (cache
+    /// line size) wrote it, or the file is corrupt.
+    #[error(
+        "{path} holds a {found_size}-byte state at offset {found_offset}, \
+         this build expects {expected_size} bytes at {expected_offset}"
+    )]
+    Layout {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The file's state size.
+        found_size: u64,
+        /// The file's state offset.
+        found_offset: u64,
+        /// This build's state size.
+        expected_size: u64,
+        /// This build's state offset.
+        expected_offset: u64,
+    },
+    /// The file was created under another boot of the machine (its timestamps are
+    /// `CLOCK_MONOTONIC` readings of that boot, meaningless now). Remove it, or keep bucket
+    /// files on a tmpfs such as `/dev/shm`, which a reboot empties.
+    #[error("{path} was created under another boot of this machine")]
+    OtherBoot {
+        /// The file.
+        path: std::path::PathBuf,
+    },
+    /// The bucket exists with a different configuration.
+    #[error("{path} is shared with {setting} {theirs}, this process asked for {ours}")]
+    Incompatible {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Which setting differs: `"mode"`, `"limit"`, `"threshold"` or `"rate"`.
+        setting: &'static str,
+        /// The value this process asked for.
+        ours: String,
+        /// The value the bucket was created with.
+        theirs: String,
     },
 }

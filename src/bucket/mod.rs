@@ -19,14 +19,13 @@ use std::time::Duration;
 
 pub use mode::{Capped, Mode, Uncapped};
 pub use rate::Rate;
-#[cfg(all(feature = "shm", unix, not(iothrottle_loom)))]
-#[cfg_attr(docsrs, doc(cfg(feature = "shm")))]
-pub use shm::ShmError;
 
 #[cfg(all(feature = "shm", unix, not(iothrottle_loom)))]
 use crate::clock::SystemMonotonicClock;
 use crate::clock::{Clock, MonotonicClock};
 use error::ConfigError;
+#[cfg(all(feature = "shm", unix, not(iothrottle_loom)))]
+use error::ShmError;
 use give_back::GiveBacks;
 use rovers::{Rovers, MAX_TIMESTAMP};
 

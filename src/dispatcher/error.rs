@@ -1,5 +1,6 @@
 //! The dispatcher's errors: a configuration it refuses, a request it refuses or could not run,
-//! a run-time change it refuses, a shutdown that ran out of time.
+//! a run-time change it refuses, a shutdown that ran out of time, a task it could not spawn or
+//! run.
 //! Defined here, re-exported at the crate root (their one public path). `Display` is the
 //! error's own message only; a cause is returned by `source()`, so reporters (anyhow, eyre) print
 //! each cause once.
@@ -250,6 +251,39 @@ pub enum DispatchError {
     ShutDown,
     /// The request's future panicked. Its tokens were still released.
     #[error("the request's future panicked: {message}")]
+    Panicked {
+        /// The panic message, when it was a string.
+        message: String,
+    },
+}
+
+/// Why a task could not be spawned.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SpawnError {
+    /// The dispatcher is shutting down (or shut down): it takes no new tasks.
+    #[error("the dispatcher is shut down")]
+    ShutDown,
+    /// No shard has this index.
+    #[error("shard {shard} does not exist (the dispatcher has {shards})")]
+    UnknownShard {
+        /// The index asked for.
+        shard: usize,
+        /// The dispatcher's shards.
+        shards: usize,
+    },
+}
+
+/// Why a spawned task produced no output.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum JoinError {
+    /// The task was dropped before it completed: the dispatcher shut down (shutdown cancels
+    /// the spawned tasks), or its shard never started it.
+    #[error("the task was cancelled")]
+    Cancelled,
+    /// The task (or the closure that made it) panicked; the shard kept running.
+    #[error("the task panicked: {message}")]
     Panicked {
         /// The panic message, when it was a string.
         message: String,

@@ -74,7 +74,7 @@ pub use class::{ClassConfig, ClassId, Priority};
 pub use cost::{DiskModel, IoKind, IoRequest, Piece, MAX_SPLIT_PIECES, SPLIT_ALIGN};
 pub use dispatcher::Dispatcher;
 pub use handle::{IoHandle, SplitHandle};
-pub use spawn::{current_shard, JoinError, ShardHandle, ShardJoinHandle, SpawnError};
+pub use spawn::{current_shard, ShardHandle, ShardJoinHandle};
 pub use stats::{ClassStats, DispatcherStats, ShardStats};
 
 pub(crate) use spawn::on_any_shard;
