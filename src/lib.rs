@@ -84,8 +84,9 @@
 //! - [`checkpoint`]: durable checkpoints (a file, or PostgreSQL): no free burst after a crash.
 //! - `pg` (feature `postgres`): per-key limits on PostgreSQL, strict, leased or sliding-window.
 //! - `metrics` (feature `metrics`): counters and histograms through the `metrics` facade.
-//! - Errors: one typed enum per operation, at the crate root ([`ConfigError`], [`BuildError`],
-//!   …); each error's `Display` is its own message, and its cause comes from `source()`.
+//! - Errors: one typed enum per operation, defined with the module that returns it and public at
+//!   the crate root only ([`ConfigError`], [`BuildError`], …); each error's `Display` is its own
+//!   message, and its cause comes from `source()`.
 //!
 //! ## Feature flags
 //!
