@@ -51,8 +51,8 @@ fn nanos(d: Duration) -> u64 {
 ///
 /// ```
 /// use std::time::Duration;
-/// use iothrottle::keyed::{KeyedError, KeyedThrottle};
-/// use iothrottle::{BucketConfig, ManualClock, Rate};
+/// use iothrottle::keyed::KeyedThrottle;
+/// use iothrottle::{BucketConfig, KeyedError, ManualClock, Rate};
 ///
 /// let clock = ManualClock::new();
 /// // Each tenant: 100 requests/s, bursts of 10; at most 10,000 tenants in memory.
