@@ -7,8 +7,10 @@
 use std::fmt;
 use std::time::{Duration, Instant};
 
-use crate::error::ClockError;
+pub(crate) mod error;
+
 use crate::sync::{Arc, AtomicU64, Ordering};
+use error::ClockError;
 
 /// A monotonic source of time.
 ///

@@ -84,8 +84,9 @@
 //! - [`checkpoint`]: durable checkpoints (a file, or PostgreSQL): no free burst after a crash.
 //! - `pg` (feature `postgres`): per-key limits on PostgreSQL, strict, leased or sliding-window.
 //! - `metrics` (feature `metrics`): counters and histograms through the `metrics` facade.
-//! - Errors: one typed enum per operation, at the crate root ([`ConfigError`], [`BuildError`],
-//!   …); each error's `Display` is its own message, and its cause comes from `source()`.
+//! - Errors: one typed enum per operation, defined with the module that returns it and public at
+//!   the crate root only ([`ConfigError`], [`BuildError`], …); each error's `Display` is its own
+//!   message, and its cause comes from `source()`.
 //!
 //! ## Feature flags
 //!
@@ -140,7 +141,8 @@ mod dispatcher {
     #[path = "fair.rs"]
     pub(crate) mod fair;
 }
-mod error;
+#[cfg(all(test, not(iothrottle_loom)))]
+mod error_tests;
 #[cfg(not(iothrottle_loom))]
 pub mod keyed;
 // Leased mode's atomic core: used by `pg`'s leased mode, and modelled by the loom tests.
@@ -161,10 +163,10 @@ mod loom_tests;
 #[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
 pub mod throttle;
 
-pub use bucket::{BucketConfig, BucketState, Capped, Mode, Rate, SharedTokenBucket, Uncapped};
 #[cfg(all(feature = "shm", unix, not(iothrottle_loom)))]
 #[cfg_attr(docsrs, doc(cfg(feature = "shm")))]
-pub use bucket::{SharedMemoryBucket, ShmError};
+pub use bucket::{error::ShmError, SharedMemoryBucket};
+pub use bucket::{BucketConfig, BucketState, Capped, Mode, Rate, SharedTokenBucket, Uncapped};
 #[cfg(all(feature = "shm", unix))]
 #[cfg_attr(docsrs, doc(cfg(feature = "shm")))]
 pub use clock::SystemMonotonicClock;
@@ -175,13 +177,29 @@ pub use clock::{Clock, FastClock, ManualClock, MonotonicClock};
 #[cfg(all(feature = "rt", not(iothrottle_loom)))]
 #[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
 pub use dispatcher::{ClassConfig, ClassId, DiskModel, Dispatcher, IoRequest};
-pub use error::{
-    AcquireError, BuildError, CheckpointError, ClockError, ConfigError, ControlError,
-    DispatchError, ParseRateError, ShutdownError, SubmitError, TryAcquireError,
-};
+// The errors: each is defined with the module that returns it (in a private `error` module) and
+// has its one public path here.
+pub use bucket::error::{ConfigError, ParseRateError};
+#[cfg(feature = "rt")]
+#[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
+pub use checkpoint::error::CheckpointError;
+pub use clock::error::ClockError;
 #[cfg(all(feature = "rt", not(iothrottle_loom)))]
 #[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
-pub use error::{CalibrateError, DiskError, PropertiesError};
+pub use disk::error::{CalibrateError, DiskError, PropertiesError};
+#[cfg(all(feature = "rt", not(iothrottle_loom)))]
+#[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
+pub use dispatcher::error::{
+    BuildError, ControlError, DispatchError, JoinError, ShutdownError, SpawnError, SubmitError,
+};
+#[cfg(not(iothrottle_loom))]
+pub use keyed::error::{KeyedConfigError, KeyedError};
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub use pg::error::PgLimitError;
+#[cfg(feature = "rt")]
+#[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
+pub use throttle::error::{AcquireError, TryAcquireError};
 #[cfg(feature = "rt")]
 #[cfg_attr(docsrs, doc(cfg(feature = "rt")))]
 pub use throttle::{Permit, Throttle};
@@ -190,6 +208,3 @@ pub use throttle::{Permit, Throttle};
 #[cfg(all(doctest, feature = "rt"))]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
-#[cfg(feature = "postgres")]
-#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
-pub use error::PgLimitError;

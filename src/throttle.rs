@@ -22,6 +22,8 @@
 //!   also has a timer for the time its tokens accrue at the current rate.
 #![doc = include_str!("../docs/throttle.md")]
 
+pub(crate) mod error;
+
 use std::fmt;
 use std::pin::pin;
 use std::sync::Arc;
@@ -33,8 +35,9 @@ use tokio::sync::Notify;
 use crate::bucket::{ahead, BucketConfig, Capped, Mode, Rate, SharedTokenBucket, Uncapped};
 use crate::checkpoint::{CheckpointedBucket, MarkGate};
 use crate::clock::{Clock, MonotonicClock};
-use crate::error::{AcquireError, ConfigError, TryAcquireError};
 use crate::sync::{AtomicU64, Ordering};
+use crate::ConfigError;
+use error::{AcquireError, TryAcquireError};
 
 /// An async throttle over a [`SharedTokenBucket`]: `acquire(cost).await` waits, in line, until
 /// `cost` tokens are there.

@@ -1,3 +1,4 @@
+#![cfg(feature = "rt")] // the tokio layers; the bucket alone is tested without them
 //! Calibration interrupted by Ctrl-C leaves no scratch file: a child process (this test binary,
 //! running the ignored `calibrating_child`) calibrates, the parent sends it `SIGINT` while its
 //! scratch file is open, and the directory is empty afterwards.

@@ -11,9 +11,9 @@ use std::sync::Arc;
 
 use iothrottle::dispatcher::{
     current_shard, ClassConfig, ClassId, DiskModel, Dispatcher, DispatcherBuilder, DispatcherStats,
-    IoRequest, JoinError, SpawnError,
+    IoRequest,
 };
-use iothrottle::{BuildError, DispatchError, Rate, SubmitError};
+use iothrottle::{BuildError, DispatchError, JoinError, Rate, SpawnError, SubmitError};
 
 /// A fast NVMe drive, stated explicitly (there is no default disk).
 const NVME: DiskModel = DiskModel::new(2_000_000_000, 1_000_000_000, 400_000, 100_000);

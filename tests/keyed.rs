@@ -5,8 +5,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use iothrottle::keyed::{KeyedConfigError, KeyedError, KeyedThrottle};
+use iothrottle::keyed::KeyedThrottle;
 use iothrottle::{BucketConfig, ManualClock, Rate};
+use iothrottle::{KeyedConfigError, KeyedError};
 
 fn keyed(max_keys: usize) -> (KeyedThrottle<String, ManualClock>, ManualClock) {
     let clock = ManualClock::new();
@@ -243,7 +244,8 @@ mod model {
 
     use proptest::prelude::*;
 
-    use iothrottle::keyed::{KeyedError, KeyedThrottle};
+    use iothrottle::keyed::KeyedThrottle;
+    use iothrottle::KeyedError;
     use iothrottle::{BucketConfig, ManualClock, Rate};
 
     #[derive(Debug, Clone)]

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use crate::bucket::{BucketConfig, Mode, SharedTokenBucket, Uncapped};
 use crate::clock::{Clock, MonotonicClock};
-use crate::error::ConfigError;
+use crate::ConfigError;
 
 use super::DEFAULT_MAX_CHUNK;
 

@@ -11,8 +11,8 @@ use tracing::Instrument;
 
 use crate::bucket::{Mode, Uncapped};
 use crate::clock::{Clock, MonotonicClock};
-use crate::error::{AcquireError, TryAcquireError};
 use crate::throttle::{Permit, Throttle};
+use crate::{AcquireError, TryAcquireError};
 
 use super::DEFAULT_MAX_CHUNK;
 

@@ -2,8 +2,8 @@
 
 use crate::bucket::Mode;
 use crate::clock::Clock;
-use crate::error::AcquireError;
 use crate::throttle::Throttle;
+use crate::AcquireError;
 
 /// Tokens granted to an unfinished [`Throttle::request`] (uncapped mode): refunded if the
 /// request is dropped or fails before its last piece.

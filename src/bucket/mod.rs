@@ -5,6 +5,7 @@
 //! invariants and the orderings are described in `docs/design.md`, included below.
 #![doc = include_str!("../../docs/design.md")]
 
+pub(crate) mod error;
 mod give_back;
 mod mode;
 mod rate;
@@ -18,14 +19,13 @@ use std::time::Duration;
 
 pub use mode::{Capped, Mode, Uncapped};
 pub use rate::Rate;
-#[cfg(all(feature = "shm", unix, not(iothrottle_loom)))]
-#[cfg_attr(docsrs, doc(cfg(feature = "shm")))]
-pub use shm::ShmError;
 
 #[cfg(all(feature = "shm", unix, not(iothrottle_loom)))]
 use crate::clock::SystemMonotonicClock;
 use crate::clock::{Clock, MonotonicClock};
-use crate::error::ConfigError;
+use error::ConfigError;
+#[cfg(all(feature = "shm", unix, not(iothrottle_loom)))]
+use error::ShmError;
 use give_back::GiveBacks;
 use rovers::{Rovers, MAX_TIMESTAMP};
 

@@ -4,7 +4,7 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
-use crate::error::{ConfigError, ParseRateError};
+use super::error::{ConfigError, ParseRateError};
 
 const NANOS_PER_SEC: u128 = 1_000_000_000;
 
@@ -813,7 +813,7 @@ mod tests {
             ok("1.000001/s").cmp_rate(&Rate::new(1_000_001, Duration::from_secs(1_000_000))),
             std::cmp::Ordering::Equal
         );
-        use crate::error::ParseRateError as E;
+        use crate::bucket::error::ParseRateError as E;
         let err = |s: &str| s.parse::<Rate>().unwrap_err();
         assert!(matches!(err("1./s"), E::Syntax { .. }));
         assert!(matches!(err(".5/s"), E::Syntax { .. }));
@@ -842,7 +842,7 @@ mod tests {
 
     #[test]
     fn parse_errors_are_typed() {
-        use crate::error::ParseRateError as E;
+        use crate::bucket::error::ParseRateError as E;
         let err = |s: &str| s.parse::<Rate>().unwrap_err();
         assert!(matches!(err(""), E::Syntax { .. }));
         assert!(matches!(err("MiB/s"), E::Syntax { .. }));

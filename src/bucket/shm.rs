@@ -1,4 +1,4 @@
-//! The bucket in a file mapped `MAP_SHARED`: [`SharedTokenBucket::open`] and [`ShmError`].
+//! The bucket in a file mapped `MAP_SHARED`: [`SharedTokenBucket::open`] and [`ShmError`](crate::ShmError).
 //!
 //! The rovers and the rate regime are atomics and integers fixed at creation (`#[repr(C)]`,
 //! see `rovers`), and every protocol on them is lock-free, so they work across processes
@@ -37,11 +37,11 @@ use std::path::{Path, PathBuf};
 
 use memmap2::{MmapOptions, MmapRaw};
 
+use super::error::ShmError;
 use crate::bucket::mode::Mode;
 use crate::bucket::rate::RawRate;
 use crate::bucket::rovers::Rovers;
 use crate::bucket::BucketConfig;
-use crate::error::ConfigError;
 
 /// The file's magic bytes.
 const MAGIC: [u8; 8] = *b"IOTHRBKT";
@@ -53,93 +53,6 @@ pub(crate) const STATE_OFFSET: usize = 256;
 const HEADER_LEN: usize = 96;
 /// The clock code for `CLOCK_MONOTONIC` in nanoseconds.
 const CLOCK_MONOTONIC_NS: u64 = 1;
-
-/// Why a shared-memory bucket could not be opened.
-///
-/// Each variant names the file; a mismatch names the setting that differs.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum ShmError {
-    /// The configuration passed is not a valid bucket configuration.
-    #[error("invalid configuration for a shared bucket")]
-    Config(#[from] ConfigError),
-    /// A file operation failed.
-    #[error("cannot {op} {path}")]
-    Io {
-        /// What was being done.
-        op: &'static str,
-        /// The file.
-        path: PathBuf,
-        /// The cause.
-        #[source]
-        source: io::Error,
-    },
-    /// The file does not start with the bucket's magic: it is something else.
-    #[error("{path} is not a shared bucket")]
-    NotABucket {
-        /// The file.
-        path: PathBuf,
-    },
-    /// The file is shorter than its layout needs (cut short, or still being written by a
-    /// tool that does not use [`SharedTokenBucket::open`](crate::SharedTokenBucket::open)).
-    #[error("{path} is {len} bytes, a shared bucket needs {need}")]
-    Truncated {
-        /// The file.
-        path: PathBuf,
-        /// Its length.
-        len: u64,
-        /// The length its layout needs.
-        need: u64,
-    },
-    /// The file was written by a build with another layout version.
-    #[error("{path} has bucket layout version {found}, this build reads version {expected}")]
-    Version {
-        /// The file.
-        path: PathBuf,
-        /// The file's version.
-        found: u32,
-        /// This build's version.
-        expected: u32,
-    },
-    /// Same version but another state size or offset: a build for another platform (cache
-    /// line size) wrote it, or the file is corrupt.
-    #[error(
-        "{path} holds a {found_size}-byte state at offset {found_offset}, \
-         this build expects {expected_size} bytes at {expected_offset}"
-    )]
-    Layout {
-        /// The file.
-        path: PathBuf,
-        /// The file's state size.
-        found_size: u64,
-        /// The file's state offset.
-        found_offset: u64,
-        /// This build's state size.
-        expected_size: u64,
-        /// This build's state offset.
-        expected_offset: u64,
-    },
-    /// The file was created under another boot of the machine (its timestamps are
-    /// `CLOCK_MONOTONIC` readings of that boot, meaningless now). Remove it, or keep bucket
-    /// files on a tmpfs such as `/dev/shm`, which a reboot empties.
-    #[error("{path} was created under another boot of this machine")]
-    OtherBoot {
-        /// The file.
-        path: PathBuf,
-    },
-    /// The bucket exists with a different configuration.
-    #[error("{path} is shared with {setting} {theirs}, this process asked for {ours}")]
-    Incompatible {
-        /// The file.
-        path: PathBuf,
-        /// Which setting differs: `"mode"`, `"limit"`, `"threshold"` or `"rate"`.
-        setting: &'static str,
-        /// The value this process asked for.
-        ours: String,
-        /// The value the bucket was created with.
-        theirs: String,
-    },
-}
 
 /// The rovers in a mapped file; the mapping lives as long as this.
 pub(crate) struct Mapped<M: Mode> {

@@ -15,8 +15,8 @@ use crate::bucket::ahead;
 use crate::bucket::Mode;
 use crate::checkpoint::{Checkpoint, CheckpointedBucket, Durability, Snapshot};
 use crate::clock::Clock;
-use crate::error::CheckpointError;
 use crate::sync::Ordering;
+use crate::CheckpointError;
 // std's Arc, not `crate::sync`'s: it is part of the public API (`start` takes one).
 use std::sync::Arc;
 

@@ -53,8 +53,8 @@ use std::time::{Duration, UNIX_EPOCH};
 
 use crate::bucket::{BucketState, Rate};
 use crate::checkpoint::{Checkpoint, Snapshot, FORMAT_VERSION};
-use crate::error::CheckpointError;
 use crate::sync::{Arc, AtomicU64, Ordering};
+use crate::CheckpointError;
 
 const MAGIC: &[u8; 8] = b"IOTCKPT\0";
 /// Size of a version-2 checkpoint file (the version this build writes).

@@ -20,6 +20,7 @@
 #![doc = include_str!("../../docs/checkpoint.md")]
 
 mod checkpointer;
+pub(crate) mod error;
 mod file;
 pub(crate) mod gate;
 #[cfg(feature = "postgres")]
@@ -39,7 +40,7 @@ pub use strict::{CheckpointStats, CheckpointedBucket, Durability, RestoreOutcome
 
 use crate::bucket::{BucketConfig, BucketState, Mode, Rate, SharedTokenBucket};
 use crate::clock::Clock;
-use crate::error::CheckpointError;
+use crate::CheckpointError;
 
 /// The version of the snapshot format (file layout and Postgres row) this build writes. Version 2
 /// added [`Snapshot::seq`]; version-1 checkpoints still load (with `seq` 0). A store refuses

@@ -39,10 +39,10 @@ use tokio_postgres::{Client, Config, Statement};
 
 use crate::bucket::{BucketState, Rate};
 use crate::checkpoint::{Checkpoint, Snapshot, FORMAT_VERSION};
-use crate::error::CheckpointError;
 use crate::pg::tls::{SessionWatch, Tls};
 use crate::pg::SessionEnd;
 use crate::sync::Arc;
+use crate::CheckpointError;
 
 const CREATE: &str = "CREATE TABLE IF NOT EXISTS iothrottle_checkpoint (
     name text PRIMARY KEY,
@@ -392,7 +392,7 @@ fn pg_err(op: &'static str) -> impl Fn(tokio_postgres::Error) -> CheckpointError
 /// due to administrator command"), else the driver's message with its causes ("error
 /// connecting to server: Connection refused").
 fn message(e: &tokio_postgres::Error) -> String {
-    crate::error::pg_error_text(e)
+    crate::pg::error::pg_error_text(e)
 }
 
 impl fmt::Debug for PgCheckpoint {

@@ -13,8 +13,8 @@ use crate::bucket::{BucketConfig, Mode, SharedTokenBucket, Uncapped};
 use crate::checkpoint::gate::MarkGate;
 use crate::checkpoint::{empty_bucket, restore_bucket, Checkpoint, RestoreReport};
 use crate::clock::{Clock, MonotonicClock};
-use crate::error::CheckpointError;
 use crate::sync::Ordering;
+use crate::CheckpointError;
 
 /// How much a crash may cost: what the checkpoint guarantees about tokens granted across it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -7,7 +7,7 @@ use std::fmt;
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
 
-use crate::error::DiskError;
+use crate::DiskError;
 
 /// The alignment of every O_DIRECT buffer, offset and length here: 4 KiB, the page size and the
 /// largest logical block size of common disks (512-byte-sector disks accept it too).

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use io_uring::{opcode, types, IoUring};
 
-use crate::error::{CalibrateError, DiskError};
+use crate::{CalibrateError, DiskError};
 
 use super::buf::{AlignedBuf, ALIGN};
 use super::file::open_direct;
@@ -116,11 +116,10 @@ pub fn calibrate_detailed(
         }
         .into());
     }
-    let mountpoint =
-        mountpoint_of(dir).map_err(|source| crate::error::PropertiesError::Mountpoint {
-            path: dir.to_owned(),
-            source,
-        })?;
+    let mountpoint = mountpoint_of(dir).map_err(|source| crate::PropertiesError::Mountpoint {
+        path: dir.to_owned(),
+        source,
+    })?;
     let path = dir.join(format!(".iothrottle-calibrate-{}.tmp", std::process::id()));
     let scratch = Scratch(path.clone());
     let file = open_direct(&path, true, true)?;

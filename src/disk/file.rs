@@ -7,8 +7,8 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use crate::dispatcher::{ClassId, Dispatcher, IoHandle, IoKind, IoRequest};
-use crate::error::{DiskError, SubmitError};
 use crate::sync::Arc;
+use crate::{DiskError, SubmitError};
 
 use super::backend::{self, Backend, OpKind, RawIo, Resolved};
 use super::buf::{check_addr, check_len, AlignedBuf, IoBuf, IoBufMut, ALIGN};

@@ -29,6 +29,7 @@
 mod backend;
 mod buf;
 mod calibrate;
+pub(crate) mod error;
 mod file;
 mod fs;
 mod pool;

@@ -24,7 +24,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use crate::dispatcher::DiskModel;
-use crate::error::PropertiesError;
+use crate::PropertiesError;
 
 /// The contents of an io-properties file: one entry per disk.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -24,8 +24,8 @@ use tokio::sync::oneshot;
 use super::backend::{run, OpKind, RawIo, Resolved};
 use crate::dispatcher::task::{self, BoxTask, Completion, ResultTx, Task};
 use crate::dispatcher::IoHandle;
-use crate::error::DispatchError;
 use crate::sync::Arc;
+use crate::DispatchError;
 
 pub(super) fn uring_available() -> io::Result<()> {
     static PROBE: OnceLock<Result<(), (io::ErrorKind, String)>> = OnceLock::new();

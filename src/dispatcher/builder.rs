@@ -7,8 +7,8 @@ use std::time::Duration;
 use crate::bucket::{BucketConfig, Capped, Mode, Rate, SharedTokenBucket, Uncapped};
 use crate::checkpoint::{CheckpointedBucket, MarkGate};
 use crate::clock::{Clock, MonotonicClock};
-use crate::error::BuildError;
 use crate::sync::Arc;
+use crate::BuildError;
 
 use super::budget::Budget;
 use super::class::{ClassConfig, ClassId, Classes};

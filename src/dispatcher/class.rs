@@ -9,7 +9,7 @@ use std::sync::RwLock;
 use std::time::Duration;
 
 use crate::bucket::{BucketConfig, Rate, SharedTokenBucket, Uncapped};
-use crate::error::BuildError;
+use crate::BuildError;
 use crossbeam_utils::CachePadded;
 
 use crate::sync::{Arc, AtomicU64, Ordering};

@@ -11,7 +11,7 @@ use std::fmt;
 use std::ops::Range;
 
 use crate::bucket::Rate;
-use crate::error::BuildError;
+use crate::BuildError;
 
 /// Whether a request reads or writes (they cost differently).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -10,8 +10,8 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
 use tokio::sync::oneshot;
 
 use crate::bucket::{BucketState, Rate};
-use crate::error::{BuildError, ConfigError, ControlError, ShutdownError, SubmitError};
 use crate::sync::{Arc, AtomicU64, Ordering};
+use crate::{BuildError, ConfigError, ControlError, ShutdownError, SubmitError};
 
 use super::class::{ClassConfig, ClassId};
 use super::cost::{self, DiskModel, IoKind, IoRequest, Piece};
@@ -19,12 +19,13 @@ use super::fast;
 use super::handle::{IoHandle, SplitHandle};
 use super::queue::Entry;
 use super::runner::{self, Msg, ShutdownMode, StatsReply};
-use super::spawn::{self, ShardJoinHandle, SpawnError};
+use super::spawn::{self, ShardJoinHandle};
 use super::state::Shared;
 use super::stats::{self, DispatcherStats, ShardStats};
 use super::task::{self, BoxTask};
 use super::timer;
 use super::DispatcherBuilder;
+use crate::SpawnError;
 
 /// A thread-per-core I/O dispatcher over one shared token bucket. See the
 /// [module documentation](crate::dispatcher).
@@ -509,12 +510,12 @@ impl Dispatcher {
     /// [`current_shard`](super::current_shard), or this dispatcher's `submit`) goes to its own
     /// shard's queue, dispatched on the same thread. A panic in `f` or in the future is caught
     /// and counted in [`panics`](Self::panics); the handle resolves to
-    /// [`JoinError::Panicked`](super::JoinError::Panicked) and the shard keeps running.
+    /// [`JoinError::Panicked`](crate::JoinError::Panicked) and the shard keeps running.
     ///
     /// **Shutdown cancels spawned tasks.** Any shutdown ([`shutdown`](Self::shutdown),
     /// [`shutdown_now`](Self::shutdown_now), the async and timed forms, a drop) drops every
     /// task still running on the shards as soon as each shard sees it (at the task's next
-    /// await); their handles resolve to [`JoinError::Cancelled`](super::JoinError::Cancelled).
+    /// await); their handles resolve to [`JoinError::Cancelled`](crate::JoinError::Cancelled).
     /// The requests they had submitted then follow the shutdown's mode: drained (`shutdown`)
     /// or failed (`shutdown_now`); a queued one whose handle the dropped task held is
     /// cancelled, and its tokens go back. So a shutdown never waits for a task that does not
@@ -641,7 +642,7 @@ impl Dispatcher {
     /// User futures whose `poll` or `drop` panicked, and stop hooks
     /// ([`DispatcherBuilder::on_shard_stop`]) that panicked. Each panic was caught on its
     /// shard, which kept running; a panic in `poll` (or in `drop` after completing) reaches the
-    /// request's handle as [`DispatchError::Panicked`](crate::error::DispatchError::Panicked);
+    /// request's handle as [`DispatchError::Panicked`](crate::DispatchError::Panicked);
     /// one in the `drop` of a cancelled request has no handle to reach and is only counted, as
     /// is a stop hook's.
     pub fn panics(&self) -> u64 {
@@ -664,7 +665,7 @@ impl Dispatcher {
     }
 
     /// Stops taking requests, fails everything not yet dispatched with
-    /// [`DispatchError::ShutDown`](crate::error::DispatchError::ShutDown) (their tokens go
+    /// [`DispatchError::ShutDown`](crate::DispatchError::ShutDown) (their tokens go
     /// back), waits for the futures already running and joins the shard threads. Idempotent.
     ///
     /// **Blocks the calling thread** like [`shutdown`](Self::shutdown).

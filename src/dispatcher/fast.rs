@@ -9,8 +9,8 @@ use std::time::Duration;
 use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::oneshot;
 
-use crate::error::DispatchError;
 use crate::sync::Arc;
+use crate::DispatchError;
 
 use super::handle::IoHandle;
 use super::runner::Msg;

@@ -7,7 +7,7 @@ use std::task::{Context, Poll};
 
 use tokio::sync::oneshot;
 
-use crate::error::DispatchError;
+use crate::DispatchError;
 
 /// The result of a submitted request: a future that resolves once the request's future has run
 /// on a shard.

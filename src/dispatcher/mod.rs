@@ -51,6 +51,7 @@ mod class;
 mod cost;
 #[allow(clippy::module_inception)] // the `Dispatcher` type's own file, beside its builder's
 mod dispatcher;
+pub(crate) mod error;
 pub(crate) mod fair;
 mod fast;
 mod handle;
@@ -73,7 +74,7 @@ pub use class::{ClassConfig, ClassId, Priority};
 pub use cost::{DiskModel, IoKind, IoRequest, Piece, MAX_SPLIT_PIECES, SPLIT_ALIGN};
 pub use dispatcher::Dispatcher;
 pub use handle::{IoHandle, SplitHandle};
-pub use spawn::{current_shard, JoinError, ShardHandle, ShardJoinHandle, SpawnError};
+pub use spawn::{current_shard, ShardHandle, ShardJoinHandle};
 pub use stats::{ClassStats, DispatcherStats, ShardStats};
 
 pub(crate) use spawn::on_any_shard;

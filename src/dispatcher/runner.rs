@@ -14,8 +14,8 @@ use tokio::sync::mpsc::error::TryRecvError;
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::sync::{oneshot, Notify};
 
-use crate::error::DispatchError;
 use crate::sync::Arc;
+use crate::DispatchError;
 
 use super::queue::Entry;
 use super::shard::{Next, ShardCore};

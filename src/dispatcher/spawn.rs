@@ -20,8 +20,8 @@ use tokio::sync::mpsc::WeakUnboundedSender;
 use tokio::sync::oneshot;
 use tokio::task::AbortHandle;
 
-use crate::error::SubmitError;
 use crate::sync::{Arc, Ordering};
+use crate::{JoinError, SpawnError, SubmitError};
 
 use super::class::ClassId;
 use super::cost::IoRequest;
@@ -30,39 +30,6 @@ use super::queue::Entry;
 use super::runner::Msg;
 use super::state::Shared;
 use super::task::{self, add_panics, count_panic, panic_message, Guarded};
-
-/// Why a task could not be spawned.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum SpawnError {
-    /// The dispatcher is shutting down (or shut down): it takes no new tasks.
-    #[error("the dispatcher is shut down")]
-    ShutDown,
-    /// No shard has this index.
-    #[error("shard {shard} does not exist (the dispatcher has {shards})")]
-    UnknownShard {
-        /// The index asked for.
-        shard: usize,
-        /// The dispatcher's shards.
-        shards: usize,
-    },
-}
-
-/// Why a spawned task produced no output.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum JoinError {
-    /// The task was dropped before it completed: the dispatcher shut down (shutdown cancels
-    /// the spawned tasks), or its shard never started it.
-    #[error("the task was cancelled")]
-    Cancelled,
-    /// The task (or the closure that made it) panicked; the shard kept running.
-    #[error("the task panicked: {message}")]
-    Panicked {
-        /// The panic message, when it was a string.
-        message: String,
-    },
-}
 
 /// The output of a spawned task: a future resolving to the task's output, or why there is
 /// none. Dropping it detaches the task (it keeps running), as with tokio's `JoinHandle`.

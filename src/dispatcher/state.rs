@@ -9,8 +9,8 @@ use std::time::Duration;
 use crate::bucket::Rate;
 use crate::checkpoint::MarkGate;
 use crate::clock::Clock;
-use crate::error::{ConfigError, ControlError, SubmitError};
 use crate::sync::{Arc, AtomicU64, Ordering};
+use crate::{ConfigError, ControlError, SubmitError};
 
 use super::budget::Budget;
 use super::class::{self, ClassId, Classes};

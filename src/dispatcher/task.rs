@@ -14,8 +14,8 @@ use std::time::Duration;
 use pin_project_lite::pin_project;
 use tokio::sync::{oneshot, Notify};
 
-use crate::error::DispatchError;
 use crate::sync::Arc;
+use crate::DispatchError;
 
 use super::handle::IoHandle;
 use super::queue::Payload;

@@ -1219,7 +1219,7 @@ fn a_zero_in_flight_bound_is_refused() {
         .add_class(ClassConfig::new("bg", 1).with_max_in_flight(Duration::ZERO))
         .unwrap_err();
     assert!(
-        matches!(e, crate::error::BuildError::ZeroInFlightBound { .. }),
+        matches!(e, crate::BuildError::ZeroInFlightBound { .. }),
         "{e}"
     );
 }

@@ -19,67 +19,17 @@ use std::fmt;
 use std::hash::Hash;
 use std::time::Duration;
 
+pub(crate) mod error;
 mod map;
 mod pace;
 
 use crate::bucket::BucketConfig;
 use crate::clock::{Clock, FastClock};
-use crate::error::ConfigError;
+use crate::{KeyedConfigError, KeyedError};
 use map::Map;
 use pace::{Pace, Shortfall};
 
 use crate::sync::MutexGuard;
-
-/// Why a [`KeyedThrottle`] cannot be built.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum KeyedConfigError {
-    /// The per-key bucket configuration is rejected.
-    #[error("invalid per-key bucket")]
-    Bucket(#[from] ConfigError),
-    /// A map that can hold no key.
-    #[error("max_keys must be at least 1")]
-    ZeroMaxKeys,
-}
-
-/// Why [`KeyedThrottle::check`] refused.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum KeyedError {
-    /// The key's bucket has too few tokens now; a retry after `retry_after` can succeed.
-    #[error("{missing} tokens missing for this key; retry in {retry_after:?}")]
-    Insufficient {
-        /// Tokens missing.
-        missing: u64,
-        /// How long until they accrue (at the current time and rate).
-        retry_after: Duration,
-    },
-    /// The cost is more than a key's bucket can ever hold.
-    #[error("a cost of {cost} tokens can never be met: a key's bucket holds at most {limit}")]
-    CostExceedsLimit {
-        /// The cost asked for.
-        cost: u64,
-        /// The per-key limit.
-        limit: u64,
-    },
-    /// A new key, and `max_keys` keys are tracked, none of them idle: the new key is refused
-    /// (keys already tracked keep working). Retry later, or raise the cap.
-    #[error("{max_keys} keys are tracked and none is idle: new key refused")]
-    TooManyKeys {
-        /// The cap.
-        max_keys: usize,
-    },
-}
-
-impl KeyedError {
-    /// How long to wait before retrying, if waiting can help.
-    pub fn retry_after(&self) -> Option<Duration> {
-        match self {
-            KeyedError::Insufficient { retry_after, .. } => Some(*retry_after),
-            _ => None,
-        }
-    }
-}
 
 fn nanos(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
@@ -101,8 +51,8 @@ fn nanos(d: Duration) -> u64 {
 ///
 /// ```
 /// use std::time::Duration;
-/// use iothrottle::keyed::{KeyedError, KeyedThrottle};
-/// use iothrottle::{BucketConfig, ManualClock, Rate};
+/// use iothrottle::keyed::KeyedThrottle;
+/// use iothrottle::{BucketConfig, KeyedError, ManualClock, Rate};
 ///
 /// let clock = ManualClock::new();
 /// // Each tenant: 100 requests/s, bursts of 10; at most 10,000 tenants in memory.

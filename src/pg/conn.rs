@@ -17,8 +17,8 @@ use tokio_postgres::{Client, Config, Statement};
 use super::retry::{classify, typed, with_retries, Class, RunError, Stats};
 use super::sql;
 use super::{Isolation, PgOptions};
-use crate::error::PgLimitError;
 use crate::sync::Arc;
+use crate::PgLimitError;
 
 /// A session's client: connected by the crate, or checked out of the caller's pool.
 pub(crate) enum SessionClient {
@@ -208,7 +208,7 @@ impl Live {
             other => return other,
         };
         if e.as_db_error().is_some() {
-            let text = crate::error::pg_error_text(&e);
+            let text = crate::pg::error::pg_error_text(&e);
             self.end.update(|c| {
                 c.reason.get_or_insert(text);
             });
@@ -381,7 +381,7 @@ impl Conn {
                 }
             },
         };
-        self.record_down(crate::error::pg_error_text(&e));
+        self.record_down(crate::pg::error::pg_error_text(&e));
         // Without a SQLSTATE the server was not reached or refused at the transport level
         // (socket, TLS handshake, a server without TLS under `require`): no statement was
         // sent, so this is a failure to connect, never a lost connection.

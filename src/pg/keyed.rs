@@ -7,7 +7,7 @@ use super::retry::PgStats;
 use super::schema::{self, Schema};
 use super::sql;
 use super::{check_classic, check_count, check_key, check_opt_time, PgOptions, MICRO};
-use crate::error::PgLimitError;
+use crate::PgLimitError;
 
 /// What one statement did to a bucket.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

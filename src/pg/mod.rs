@@ -21,6 +21,7 @@
 #![doc = include_str!("../../docs/postgres.md")]
 
 mod conn;
+pub(crate) mod error;
 pub(crate) use conn::SessionEnd;
 mod keyed;
 mod leased;
@@ -45,7 +46,7 @@ pub use rustls;
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use crate::error::PgLimitError;
+use crate::PgLimitError;
 
 /// The longest key accepted, in bytes of UTF-8. Longer keys are
 /// [`PgLimitError::KeyTooLong`]; the tables enforce the same limit with a `CHECK`.

@@ -17,8 +17,8 @@ use std::time::Duration;
 
 use tokio_postgres::error::SqlState;
 
-use crate::error::PgLimitError;
 use crate::sync::{AtomicU64, Ordering};
+use crate::PgLimitError;
 
 /// How serialization failures (`40001`) and deadlocks (`40P01`) are retried.
 ///

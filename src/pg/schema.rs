@@ -13,7 +13,7 @@ use tokio_postgres::Client;
 
 use super::retry::typed;
 use super::sql;
-use crate::error::PgLimitError;
+use crate::PgLimitError;
 
 /// The schema version this crate installs.
 pub const SCHEMA_VERSION: i32 = 1;

@@ -9,8 +9,8 @@ use super::retry::{PgStats, RunError};
 use super::schema::{self, Schema};
 use super::sql;
 use super::{check_key, check_opt_time, PgOptions};
-use crate::error::PgLimitError;
 use crate::sync::Arc;
+use crate::PgLimitError;
 
 /// A use case of the sliding-window limiter.
 #[derive(Debug, Clone, PartialEq, Eq)]

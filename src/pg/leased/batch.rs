@@ -15,11 +15,11 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
 
-use crate::error::PgLimitError;
 use crate::pg::conn::Conn;
 use crate::pg::keyed::{Grant, PgKeyedLimiter};
 use crate::pg::sql;
 use crate::sync::{Arc, AtomicU64, Ordering};
+use crate::PgLimitError;
 
 /// The most leases one batch statement takes.
 const MAX_BATCH: usize = 1_024;

@@ -10,9 +10,9 @@ use super::batch::Leaser;
 use super::key::{KeyState, LeaseCtl};
 use super::options::{Counters, DbTime, LeaseOptions};
 use crate::clock::Clock;
-use crate::error::PgLimitError;
 use crate::pg::check_time;
 use crate::sync::{Arc, Ordering};
+use crate::PgLimitError;
 
 /// What a detached lease found or did (see `Inner::lease_detached`).
 pub(super) enum Leased {

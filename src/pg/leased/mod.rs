@@ -30,8 +30,8 @@ use super::keyed::PgKeyedLimiter;
 use super::retry::PgStats;
 use super::{check_bucket, check_key, check_time, PgOptions};
 use crate::clock::{Clock, MonotonicClock};
-use crate::error::PgLimitError;
 use crate::sync::{Arc, Ordering};
+use crate::PgLimitError;
 
 /// Leased mode: a local token count per hot key, filled by leasing batches from the key's
 /// row; the global rate at local speed.

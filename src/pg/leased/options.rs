@@ -2,9 +2,9 @@
 
 use std::time::{Duration, SystemTime};
 
-use crate::error::PgLimitError;
 use crate::pg::{check_bucket, MAX_CAPACITY};
 use crate::sync::AtomicU64;
+use crate::PgLimitError;
 
 /// Where the database statements of a leased limiter take their time from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
