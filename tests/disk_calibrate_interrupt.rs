@@ -2,7 +2,6 @@
 //! Calibration interrupted by Ctrl-C leaves no scratch file: a child process (this test binary,
 //! running the ignored `calibrating_child`) calibrates, the parent sends it `SIGINT` while its
 //! scratch file is open, and the directory is empty afterwards.
-#![cfg(feature = "rt")] // calibration is part of the tokio layers
 
 use std::path::Path;
 use std::process::{Command, Stdio};
