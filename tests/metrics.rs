@@ -225,7 +225,7 @@ fn throttle_counters_are_exported_as_absolute_values() {
 #[test]
 fn export_throttle_stats_publishes_the_throttles_own_counters() {
     use iothrottle::metrics::export_throttle_stats;
-    use iothrottle::{BucketConfig, ManualClock, Throttle};
+    use iothrottle::{BucketConfig, ManualClock, Throttle, Uncapped};
 
     let (snap, _serial) = recorder();
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -233,8 +233,11 @@ fn export_throttle_stats_publishes_the_throttles_own_counters() {
         .build()
         .unwrap();
     let clock = ManualClock::new();
-    let th =
-        Throttle::with_clock(BucketConfig::new(Rate::per_second(1), 100), clock.clone()).unwrap();
+    let th = Throttle::<Uncapped, _>::with_clock(
+        BucketConfig::new(Rate::per_second(1), 100),
+        clock.clone(),
+    )
+    .unwrap();
     clock.advance(std::time::Duration::from_secs(1_000));
     th.bucket().replenish();
     let l = ("throttle", "m_stats");
