@@ -104,7 +104,7 @@ fn configuration_errors_are_typed() {
     assert!(matches!(
         Dispatcher::builder()
             .disk(NVME)
-            .class(ClassConfig::new("c", 1).with_bandwidth_cap(0))
+            .class(ClassConfig::new("c", 1).with_bandwidth_cap(Rate::per_second(0)))
             .build(),
         Err(BuildError::ZeroBandwidthCap { .. })
     ));
@@ -517,7 +517,7 @@ fn churn(shards: usize, classes: usize, requests: u64, seed: u64) {
         .map(|i| {
             let mut cfg = ClassConfig::new(format!("c{i}"), 1 + 300 * i as u32);
             if i == 2 {
-                cfg = cfg.with_bandwidth_cap(1 << 20);
+                cfg = cfg.with_bandwidth_cap(Rate::per_second(1 << 20));
             }
             b.add_class(cfg).unwrap()
         })
@@ -696,7 +696,7 @@ fn runtime_control_errors_are_typed() {
     let d = Dispatcher::builder()
         .shards(1)
         .disk(NVME)
-        .class(ClassConfig::new("c", 10).with_bandwidth_cap(1 << 20))
+        .class(ClassConfig::new("c", 10).with_bandwidth_cap(Rate::per_second(1 << 20)))
         .build()
         .unwrap();
     let c = d.class_id("c").unwrap();
@@ -727,14 +727,20 @@ fn runtime_control_errors_are_typed() {
     ));
     // Nothing changed by the refusals; then the changes show in the configuration.
     assert_eq!(d.class_config(c).unwrap().shares(), 10);
-    assert_eq!(d.class_config(c).unwrap().bandwidth_cap(), Some(1 << 20));
+    assert_eq!(
+        d.class_config(c).unwrap().bandwidth_cap(),
+        Some(Rate::per_second(1 << 20))
+    );
     d.set_shares(c, 500).unwrap();
     d.set_bandwidth_cap(c, None).unwrap();
     let cfg = d.class_config(c).unwrap();
     assert_eq!((cfg.shares(), cfg.bandwidth_cap()), (500, None));
     d.set_bandwidth_cap(c, Some(Rate::per_second(4 << 20)))
         .unwrap();
-    assert_eq!(d.class_config(c).unwrap().bandwidth_cap(), Some(4 << 20));
+    assert_eq!(
+        d.class_config(c).unwrap().bandwidth_cap(),
+        Some(Rate::per_second(4 << 20))
+    );
     // Requests still run after the changes.
     let h = d.submit(c, IoRequest::write(4096), async { 1 }).unwrap();
     assert_eq!(rt().block_on(h), Ok(1));

@@ -495,7 +495,7 @@ fn an_idle_class_cannot_bank_its_idle_time() {
 fn per_class_bandwidth_cap_holds() {
     let mut b = builder(2);
     let capped = b
-        .add_class(ClassConfig::new("capped", 1000).with_bandwidth_cap(100 << 20))
+        .add_class(ClassConfig::new("capped", 1000).with_bandwidth_cap(Rate::per_second(100 << 20)))
         .unwrap();
     let other = b.add_class(ClassConfig::new("other", 1)).unwrap();
     let feeds = vec![
@@ -726,7 +726,7 @@ fn a_capped_class_does_not_busy_poll() {
     let mut b = builder(1);
     // 1,000,000 bytes per second: the cap bucket adds bytes in steps of 1,000 (1 ms).
     let capped = b
-        .add_class(ClassConfig::new("capped", 100).with_bandwidth_cap(1_000_000))
+        .add_class(ClassConfig::new("capped", 100).with_bandwidth_cap(Rate::per_second(1_000_000)))
         .unwrap();
     // 1,010-byte requests: after each step the next request is a few bytes short, fewer
     // than a step.
