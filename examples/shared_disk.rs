@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use iothrottle::dispatcher::{ClassConfig, DiskModel, Dispatcher, IoRequest};
+use iothrottle::dispatcher::{ClassConfig, DiskModel, Dispatcher, Figures, IoRequest};
 use iothrottle::{BucketConfig, Clock, Rate, SharedTokenBucket, SystemMonotonicClock, Uncapped};
 
 #[derive(Parser)]
@@ -57,7 +57,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         &path, cfg, clock,
     )?);
     let mut b = Dispatcher::builder()
-        .disk(DiskModel::symmetric(2_000_000_000, 200_000))
+        .disk(DiskModel::symmetric(Figures {
+            iops: 200_000,
+            bandwidth: 2_000_000_000,
+        }))
         .shards(1)
         .pin_threads(false)
         .shared_bucket(bucket);

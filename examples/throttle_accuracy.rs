@@ -96,7 +96,7 @@ async fn main() {
         report("iothrottle Throttle", grants);
     }
     if wanted("iothrottle capped") {
-        let th: Throttle<Capped> = Throttle::new_capped(BucketConfig::new(rate, 1)).unwrap();
+        let th: Throttle<Capped> = Throttle::new(BucketConfig::new(rate, 1)).unwrap();
         let grants = count(window, || async { th.acquire(1).await.unwrap().complete() }).await;
         report("iothrottle Throttle (capped)", grants);
     }

@@ -101,6 +101,19 @@
 //! - `metrics` (off by default): per-class and per-throttle metrics through the `metrics`
 //!   facade; nothing of it is compiled when off.
 //!
+//! ## API conventions
+//!
+//! - A type with a `build()` step is a builder and its setters take bare names, as tokio's
+//!   `runtime::Builder` does: `DispatcherBuilder::shards`, `.disk(..)`, `.class(..)`.
+//! - A plain configuration value, used as it is, is set by `with_*` methods taking and
+//!   returning `self` ([`BucketConfig::with_threshold`], `ClassConfig::with_max_in_flight`,
+//!   `PgOptions::with_schema`), or by public fields with a `Default` (`FileOptions`).
+//! - A setter on a running object is `set_*` and takes `&self`
+//!   ([`SharedTokenBucket::set_rate`]).
+//! - A constructor reading time from another [`Clock`] is `with_clock`; one over an existing
+//!   bucket is `from_bucket`.
+//! - A rate, bandwidth included, is a [`Rate`].
+//!
 //! ## Model checking
 //!
 //! Every atomic protocol is model-checked with [loom](https://docs.rs/loom). The models live in

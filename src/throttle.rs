@@ -32,7 +32,7 @@ use std::time::Duration;
 use crossbeam_utils::CachePadded;
 use tokio::sync::Notify;
 
-use crate::bucket::{ahead, BucketConfig, Capped, Mode, Rate, SharedTokenBucket, Uncapped};
+use crate::bucket::{ahead, BucketConfig, Mode, Rate, SharedTokenBucket, Uncapped};
 use crate::checkpoint::{CheckpointedBucket, MarkGate};
 use crate::clock::{Clock, MonotonicClock};
 use crate::sync::{AtomicU64, Ordering};
@@ -58,12 +58,12 @@ use error::{AcquireError, TryAcquireError};
 ///
 /// ```
 /// use iothrottle::throttle::Throttle;
-/// use iothrottle::{BucketConfig, Rate, TokioClock};
+/// use iothrottle::{BucketConfig, Rate, TokioClock, Uncapped};
 ///
 /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// let cfg = BucketConfig::new(Rate::per_second(1_000), 100);
-/// let throttle = Throttle::with_clock(cfg, TokioClock::new())?;
+/// let throttle = Throttle::<Uncapped, _>::with_clock(cfg, TokioClock::new())?;
 /// let start = tokio::time::Instant::now();
 /// let _first = throttle.acquire(100).await?; // the full bucket: at once
 /// let _second = throttle.acquire(50).await?; // 50 more tokens: 50 ms
@@ -205,23 +205,22 @@ impl<M: Mode, C: Clock> Shared<M, C> {
     }
 }
 
-impl Throttle<Uncapped, MonotonicClock> {
-    /// A throttle over a new [`Uncapped`] bucket on a [`MonotonicClock`]:
-    /// `Throttle::new(config)`, no type annotation needed. For a capped bucket see
-    /// [`new_capped`](Throttle::new_capped); for another clock,
-    /// [`with_clock`](Throttle::with_clock).
-    ///
-    /// The common constructors name their bucket's mode, so the types are inferred (no
-    /// turbofish):
+impl<M: Mode> Throttle<M, MonotonicClock> {
+    /// A throttle over a new bucket of mode `M` on a [`MonotonicClock`]. The mode defaults to
+    /// [`Uncapped`] where the type is written out (`Throttle` is `Throttle<Uncapped>`); in an
+    /// expression name it: `Throttle::<Uncapped>::new(config)` or
+    /// `Throttle::<Capped>::new(config)`. For another clock see
+    /// [`with_clock`](Throttle::with_clock); over an existing bucket,
+    /// [`from_bucket`](Throttle::from_bucket).
     ///
     /// ```
-    /// use iothrottle::{BucketConfig, ManualClock, Rate, Throttle};
+    /// use iothrottle::{BucketConfig, Capped, ManualClock, Rate, Throttle, Uncapped};
     ///
     /// let cfg = BucketConfig::new(Rate::per_second(1_000), 100);
-    /// let plain = Throttle::new(cfg)?;
-    /// let manual = Throttle::with_clock(cfg, ManualClock::new())?;
-    /// let capped = Throttle::new_capped(cfg)?;
-    /// let capped_manual = Throttle::with_clock_capped(cfg, ManualClock::new())?;
+    /// let plain = Throttle::<Uncapped>::new(cfg)?;
+    /// let manual = Throttle::<Uncapped, _>::with_clock(cfg, ManualClock::new())?;
+    /// let capped: Throttle<Capped> = Throttle::new(cfg)?;
+    /// let capped_manual = Throttle::<Capped, _>::with_clock(cfg, ManualClock::new())?;
     /// let is_capped = |state: iothrottle::BucketState| state.ceil.is_some();
     /// assert!(!is_capped(plain.bucket().snapshot()) && !is_capped(manual.bucket().snapshot()));
     /// assert!(is_capped(capped.bucket().snapshot()));
@@ -229,44 +228,18 @@ impl Throttle<Uncapped, MonotonicClock> {
     /// # Ok::<(), iothrottle::ConfigError>(())
     /// ```
     pub fn new(config: BucketConfig) -> Result<Self, ConfigError> {
-        Ok(Self::from_bucket(Arc::new(SharedTokenBucket::new(config)?)))
-    }
-}
-
-impl Throttle<Capped, MonotonicClock> {
-    /// A throttle over a new [`Capped`] bucket on a [`MonotonicClock`]:
-    /// `Throttle::new_capped(config)`.
-    pub fn new_capped(config: BucketConfig) -> Result<Self, ConfigError> {
-        Ok(Self::from_bucket(Arc::new(SharedTokenBucket::new(config)?)))
-    }
-}
-
-impl<C: Clock> Throttle<Uncapped, C> {
-    /// A throttle over a new [`Uncapped`] bucket reading time from `clock`:
-    /// `Throttle::with_clock(config, clock)`, no type annotation needed. Use [`TokioClock`]
-    /// with tokio's paused time in tests: the waiters sleep on tokio timers. Capped:
-    /// [`with_clock_capped`](Throttle::with_clock_capped); generic over the mode:
-    /// [`with_mode_and_clock`](Throttle::with_mode_and_clock).
-    ///
-    /// [`TokioClock`]: crate::TokioClock
-    pub fn with_clock(config: BucketConfig, clock: C) -> Result<Self, ConfigError> {
-        Self::with_mode_and_clock(config, clock)
-    }
-}
-
-impl<C: Clock> Throttle<Capped, C> {
-    /// A throttle over a new [`Capped`] bucket reading time from `clock`:
-    /// `Throttle::with_clock_capped(config, clock)`.
-    pub fn with_clock_capped(config: BucketConfig, clock: C) -> Result<Self, ConfigError> {
-        Self::with_mode_and_clock(config, clock)
+        Self::with_clock(config, MonotonicClock::new())
     }
 }
 
 impl<M: Mode, C: Clock> Throttle<M, C> {
-    /// A throttle over a new bucket of mode `M` reading time from `clock`, for code generic
-    /// over the mode (`Throttle::<M, _>::with_mode_and_clock`). The waiters' timers assume
-    /// that `clock` runs with tokio's time.
-    pub fn with_mode_and_clock(config: BucketConfig, clock: C) -> Result<Self, ConfigError> {
+    /// A throttle over a new bucket of mode `M` reading time from `clock`:
+    /// `Throttle::<Uncapped, _>::with_clock(config, clock)`. Use [`TokioClock`] with tokio's
+    /// paused time in tests: the waiters sleep on tokio timers, so they assume that `clock`
+    /// runs with tokio's time.
+    ///
+    /// [`TokioClock`]: crate::TokioClock
+    pub fn with_clock(config: BucketConfig, clock: C) -> Result<Self, ConfigError> {
         Ok(Self::from_bucket(Arc::new(SharedTokenBucket::with_clock(
             config, clock,
         )?)))
@@ -692,7 +665,7 @@ impl<M: Mode, C: Clock> Drop for Claim<'_, M, C> {
 
 /// Tokens granted by a [`Throttle`].
 ///
-/// In [`Capped`] mode the permit stands for work in flight: dropping it (or calling
+/// In [`Capped`](crate::Capped) mode the permit stands for work in flight: dropping it (or calling
 /// [`complete`](Self::complete)) releases exactly its tokens to the bucket's `ceil`, so that the
 /// bucket may fill again. Every permit is released exactly once, whatever happens to the work:
 /// the capped-release leak (tokens grabbed but never released) cannot happen. In [`Uncapped`]

@@ -22,7 +22,7 @@ const RATE: u64 = 1 << 20; // 1 MiB/s
 const LIMIT: u64 = 64 << 10; // 64 KiB burst
 
 fn throttle<M: Mode>(rate: u64, limit: u64) -> Throttle<M, TokioClock> {
-    Throttle::with_mode_and_clock(
+    Throttle::with_clock(
         BucketConfig::new(Rate::per_second(rate), limit),
         TokioClock::new(),
     )

@@ -6,12 +6,15 @@ use std::sync::Arc;
 use tokio::io::{AsyncReadExt, AsyncSeekExt, AsyncWriteExt};
 
 use iothrottle::adapter::ClassIo;
-use iothrottle::dispatcher::{ClassConfig, ClassId, DiskModel, Dispatcher};
+use iothrottle::dispatcher::{ClassConfig, ClassId, DiskModel, Dispatcher, Figures};
 
 fn dispatcher() -> (Arc<Dispatcher>, ClassId, ClassId) {
     let mut b = Dispatcher::builder()
         .shards(1)
-        .disk(DiskModel::new(1 << 30, 1 << 30, 100_000, 100_000))
+        .disk(DiskModel::symmetric(Figures {
+            iops: 100_000,
+            bandwidth: 1 << 30,
+        }))
         .pin_threads(false);
     let fg = b.add_class(ClassConfig::new("reads", 800)).unwrap();
     let bg = b.add_class(ClassConfig::new("compaction", 200)).unwrap();

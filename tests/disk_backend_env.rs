@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use iothrottle::disk::{AlignedBuf, Backend, FileOptions, Resolved, ThrottledFile, BACKEND_ENV};
-use iothrottle::dispatcher::{ClassConfig, DiskModel, Dispatcher};
+use iothrottle::dispatcher::{ClassConfig, DiskModel, Dispatcher, Figures};
 
 #[test]
 fn the_environment_variable_forces_the_blocking_pool() {
@@ -17,12 +17,10 @@ fn the_environment_variable_forces_the_blocking_pool() {
     let mut b = Dispatcher::builder()
         .shards(1)
         .pin_threads(false)
-        .disk(DiskModel::new(
-            1_000_000_000,
-            1_000_000_000,
-            100_000,
-            100_000,
-        ));
+        .disk(DiskModel::symmetric(Figures {
+            iops: 100_000,
+            bandwidth: 1_000_000_000,
+        }));
     let class = b.add_class(ClassConfig::new("io", 100)).unwrap();
     let d = Arc::new(b.build().unwrap());
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();

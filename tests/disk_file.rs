@@ -11,7 +11,7 @@ mod common;
 
 use common::disk::{dispatcher, rt};
 use iothrottle::disk::{AlignedBuf, Backend, FileOptions, Resolved, ThrottledFile, ALIGN};
-use iothrottle::dispatcher::{ClassConfig, DiskModel, Dispatcher, IoRequest};
+use iothrottle::dispatcher::{ClassConfig, DiskModel, Dispatcher, Figures, IoRequest};
 use iothrottle::DiskError;
 
 fn scratch() -> tempfile::TempDir {
@@ -128,12 +128,10 @@ fn a_piece_too_costly_for_the_dispatcher_is_refused_before_any_write() {
         .shards(1)
         .pin_threads(false)
         .max_cost(200_000)
-        .disk(DiskModel::new(
-            1_000_000_000,
-            1_000_000_000,
-            100_000,
-            100_000,
-        ));
+        .disk(DiskModel::symmetric(Figures {
+            iops: 100_000,
+            bandwidth: 1_000_000_000,
+        }));
     let class = b.add_class(ClassConfig::new("io", 100)).unwrap();
     let d = Arc::new(b.build().unwrap());
     let path = dir.path().join("data");

@@ -4,6 +4,7 @@
 use std::path::Path;
 
 use iothrottle::disk::{calibrate, mountpoint_of, CalibrateOptions, IoProperties};
+use iothrottle::dispatcher::Figures;
 use iothrottle::DiskModel;
 use iothrottle::PropertiesError;
 
@@ -19,10 +20,14 @@ fn reads_a_file_written_by_iotune() {
     assert_eq!(
         model,
         DiskModel {
-            read_bw: 2_601_181_952,
-            write_bw: 1_434_058_752,
-            read_iops: 507_847,
-            write_iops: 451_066,
+            read: Figures {
+                iops: 507_847,
+                bandwidth: 2_601_181_952,
+            },
+            write: Figures {
+                iops: 451_066,
+                bandwidth: 1_434_058_752,
+            },
         }
     );
     let props = IoProperties::load(IOTUNE).unwrap();
@@ -98,7 +103,19 @@ fn several_disks_need_a_mountpoint() {
         Err(PropertiesError::Ambiguous { count: 2, .. })
     ));
     let c = DiskModel::from_properties_for(&f, "/c").unwrap();
-    assert_eq!(c, DiskModel::new(545 << 20, 510 << 20, 95_000, 85_000));
+    assert_eq!(
+        c,
+        DiskModel::new(
+            Figures {
+                iops: 95_000,
+                bandwidth: 545 << 20
+            },
+            Figures {
+                iops: 85_000,
+                bandwidth: 510 << 20
+            }
+        )
+    );
 }
 
 #[test]

@@ -11,7 +11,9 @@ mod common;
 
 use common::disk::{dispatcher, rt};
 use iothrottle::disk::{AlignedBuf, FileOptions, IoBuf, IoBufMut, ThrottledFile, ALIGN};
-use iothrottle::dispatcher::{ClassConfig, DiskModel, Dispatcher, DispatcherBuilder, IoKind};
+use iothrottle::dispatcher::{
+    ClassConfig, DiskModel, Dispatcher, DispatcherBuilder, Figures, IoKind,
+};
 use iothrottle::Rate;
 use iothrottle::{BuildError, DiskError};
 
@@ -80,7 +82,10 @@ fn two_classes(
     (Arc::new(b.build().unwrap()), [fg, bg])
 }
 
-const FAST: DiskModel = DiskModel::new(1_000_000_000, 1_000_000_000, 100_000, 100_000);
+const FAST: DiskModel = DiskModel::symmetric(Figures {
+    iops: 100_000,
+    bandwidth: 1_000_000_000,
+});
 
 #[test]
 fn one_open_file_serves_requests_of_each_class() {
@@ -300,7 +305,10 @@ fn a_cancelled_transfer_hands_the_buffer_back() {
 /// 4 KiB write (364 µs) and no more, so the documented 1 MiB write goes as 4 KiB pieces.
 #[test]
 fn the_documented_one_mib_write_succeeds_on_a_gp3_baseline_disk() {
-    let gp3 = DiskModel::symmetric(125 << 20, 3000);
+    let gp3 = DiskModel::symmetric(Figures {
+        iops: 3000,
+        bandwidth: 125 << 20,
+    });
     let (d, [fg, bg]) = two_classes(Dispatcher::builder().disk(gp3));
     assert_eq!(d.max_piece(IoKind::Write), Some(ALIGN as u64));
     let dir = scratch();
@@ -327,7 +335,10 @@ fn the_documented_one_mib_write_succeeds_on_a_gp3_baseline_disk() {
 /// refuses the model, naming a goal that fits, and that goal builds.
 #[test]
 fn a_disk_no_request_fits_is_refused_at_build_with_the_goal_that_would_fit() {
-    let slow = DiskModel::symmetric(125 << 20, 2000);
+    let slow = DiskModel::symmetric(Figures {
+        iops: 2000,
+        bandwidth: 125 << 20,
+    });
     let err = Dispatcher::builder()
         .disk(slow)
         .class(ClassConfig::new("io", 100))

@@ -11,12 +11,21 @@ use std::sync::Arc;
 
 use iothrottle::dispatcher::{
     current_shard, ClassConfig, ClassId, DiskModel, Dispatcher, DispatcherBuilder, DispatcherStats,
-    IoRequest,
+    Figures, IoRequest,
 };
 use iothrottle::{BuildError, DispatchError, JoinError, Rate, SpawnError, SubmitError};
 
 /// A fast NVMe drive, stated explicitly (there is no default disk).
-const NVME: DiskModel = DiskModel::new(2_000_000_000, 1_000_000_000, 400_000, 100_000);
+const NVME: DiskModel = DiskModel::new(
+    Figures {
+        iops: 400_000,
+        bandwidth: 2_000_000_000,
+    },
+    Figures {
+        iops: 100_000,
+        bandwidth: 1_000_000_000,
+    },
+);
 
 fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
@@ -104,7 +113,7 @@ fn configuration_errors_are_typed() {
     assert!(matches!(
         Dispatcher::builder()
             .disk(NVME)
-            .class(ClassConfig::new("c", 1).with_bandwidth_cap(0))
+            .class(ClassConfig::new("c", 1).with_bandwidth_cap(Rate::per_second(0)))
             .build(),
         Err(BuildError::ZeroBandwidthCap { .. })
     ));
@@ -122,8 +131,18 @@ fn configuration_errors_are_typed() {
         Err(BuildError::ZeroShards)
     ));
     assert!(matches!(
-        with_class(Dispatcher::builder().disk(DiskModel::new(1, 1, 0, 1))).build(),
-        Err(BuildError::ZeroDiskFigure { field: "read_iops" })
+        with_class(Dispatcher::builder().disk(DiskModel::new(
+            Figures {
+                iops: 0,
+                bandwidth: 1
+            },
+            Figures {
+                iops: 1,
+                bandwidth: 1
+            }
+        )))
+        .build(),
+        Err(BuildError::ZeroDiskFigure { field: "read.iops" })
     ));
     assert!(matches!(
         with_class(Dispatcher::builder().disk(NVME).limit(100).batch(101)).build(),
@@ -416,7 +435,10 @@ fn fast(shards: usize) -> DispatcherBuilder {
     // request rate low enough for a busy CI box: the bucket, not the CPU, is the bottleneck.
     Dispatcher::builder()
         .shards(shards)
-        .disk(DiskModel::new(100_000_000, 100_000_000, 10_000, 10_000))
+        .disk(DiskModel::symmetric(Figures {
+            iops: 10_000,
+            bandwidth: 100_000_000,
+        }))
         .limit(25_000_000)
         .batch(500_000)
 }
@@ -517,7 +539,7 @@ fn churn(shards: usize, classes: usize, requests: u64, seed: u64) {
         .map(|i| {
             let mut cfg = ClassConfig::new(format!("c{i}"), 1 + 300 * i as u32);
             if i == 2 {
-                cfg = cfg.with_bandwidth_cap(1 << 20);
+                cfg = cfg.with_bandwidth_cap(Rate::per_second(1 << 20));
             }
             b.add_class(cfg).unwrap()
         })
@@ -696,7 +718,7 @@ fn runtime_control_errors_are_typed() {
     let d = Dispatcher::builder()
         .shards(1)
         .disk(NVME)
-        .class(ClassConfig::new("c", 10).with_bandwidth_cap(1 << 20))
+        .class(ClassConfig::new("c", 10).with_bandwidth_cap(Rate::per_second(1 << 20)))
         .build()
         .unwrap();
     let c = d.class_id("c").unwrap();
@@ -727,14 +749,20 @@ fn runtime_control_errors_are_typed() {
     ));
     // Nothing changed by the refusals; then the changes show in the configuration.
     assert_eq!(d.class_config(c).unwrap().shares(), 10);
-    assert_eq!(d.class_config(c).unwrap().bandwidth_cap(), Some(1 << 20));
+    assert_eq!(
+        d.class_config(c).unwrap().bandwidth_cap(),
+        Some(Rate::per_second(1 << 20))
+    );
     d.set_shares(c, 500).unwrap();
     d.set_bandwidth_cap(c, None).unwrap();
     let cfg = d.class_config(c).unwrap();
     assert_eq!((cfg.shares(), cfg.bandwidth_cap()), (500, None));
     d.set_bandwidth_cap(c, Some(Rate::per_second(4 << 20)))
         .unwrap();
-    assert_eq!(d.class_config(c).unwrap().bandwidth_cap(), Some(4 << 20));
+    assert_eq!(
+        d.class_config(c).unwrap().bandwidth_cap(),
+        Some(Rate::per_second(4 << 20))
+    );
     // Requests still run after the changes.
     let h = d.submit(c, IoRequest::write(4096), async { 1 }).unwrap();
     assert_eq!(rt().block_on(h), Ok(1));
@@ -930,7 +958,16 @@ fn build_without_a_disk_model_is_a_typed_error() {
 #[test]
 fn a_one_mib_write_at_default_settings_splits_into_aligned_pieces() {
     // A disk like this project's virtio disk: 1 MiB is ~1.6 ms of disk time, over the goal.
-    let disk = DiskModel::new(400_000_000, 700_000_000, 20_000, 20_000);
+    let disk = DiskModel::new(
+        Figures {
+            iops: 20_000,
+            bandwidth: 400_000_000,
+        },
+        Figures {
+            iops: 20_000,
+            bandwidth: 700_000_000,
+        },
+    );
     let mut b = Dispatcher::builder().disk(disk).shards(2);
     let c = b.add_class(ClassConfig::new("c", 100)).unwrap();
     let d = b.build().unwrap();

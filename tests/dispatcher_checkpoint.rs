@@ -11,13 +11,22 @@ use std::time::Duration;
 use iothrottle::checkpoint::{
     Checkpoint, CheckpointConfig, CheckpointedBucket, Checkpointer, Durability, Snapshot,
 };
-use iothrottle::dispatcher::{ClassConfig, DiskModel, Dispatcher, IoRequest};
+use iothrottle::dispatcher::{ClassConfig, DiskModel, Dispatcher, Figures, IoRequest};
 use iothrottle::{
     BucketConfig, Capped, CheckpointError, Clock, ManualClock, Rate, SharedTokenBucket, Uncapped,
 };
 use tokio::sync::watch;
 
-const NVME: DiskModel = DiskModel::new(2_000_000_000, 1_000_000_000, 400_000, 100_000);
+const NVME: DiskModel = DiskModel::new(
+    Figures {
+        iops: 400_000,
+        bandwidth: 2_000_000_000,
+    },
+    Figures {
+        iops: 100_000,
+        bandwidth: 1_000_000_000,
+    },
+);
 
 /// A store in memory whose saves can be held (they wait, as a stalled disk would).
 #[derive(Clone)]

@@ -6,7 +6,7 @@ use std::sync::{Mutex, OnceLock};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use metrics_util::MetricKind;
 
-use iothrottle::dispatcher::{ClassConfig, DiskModel, Dispatcher, IoRequest};
+use iothrottle::dispatcher::{ClassConfig, DiskModel, Dispatcher, Figures, IoRequest};
 use iothrottle::metrics::{export_throttle, names, ThrottleCounters};
 use iothrottle::Rate;
 
@@ -77,7 +77,10 @@ fn per_class_counters_match_the_dispatcher_stats() {
     let (snap, _serial) = recorder();
     let mut b = Dispatcher::builder()
         .shards(2)
-        .disk(DiskModel::symmetric(1 << 30, 100_000))
+        .disk(DiskModel::symmetric(Figures {
+            iops: 100_000,
+            bandwidth: 1 << 30,
+        }))
         .capped(false)
         .pin_threads(false);
     let fg = b.add_class(ClassConfig::new("m_fg", 800)).unwrap();
@@ -146,7 +149,10 @@ fn cancelled_requests_are_counted_and_leave_the_queue_gauge() {
     let (snap, _serial) = recorder();
     let mut b = Dispatcher::builder()
         .shards(1)
-        .disk(DiskModel::symmetric(1 << 30, 100_000))
+        .disk(DiskModel::symmetric(Figures {
+            iops: 100_000,
+            bandwidth: 1 << 30,
+        }))
         .capped(false)
         .rate(Rate::per_second(1_000))
         .limit(100)
@@ -225,7 +231,7 @@ fn throttle_counters_are_exported_as_absolute_values() {
 #[test]
 fn export_throttle_stats_publishes_the_throttles_own_counters() {
     use iothrottle::metrics::export_throttle_stats;
-    use iothrottle::{BucketConfig, ManualClock, Throttle};
+    use iothrottle::{BucketConfig, ManualClock, Throttle, Uncapped};
 
     let (snap, _serial) = recorder();
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -233,8 +239,11 @@ fn export_throttle_stats_publishes_the_throttles_own_counters() {
         .build()
         .unwrap();
     let clock = ManualClock::new();
-    let th =
-        Throttle::with_clock(BucketConfig::new(Rate::per_second(1), 100), clock.clone()).unwrap();
+    let th = Throttle::<Uncapped, _>::with_clock(
+        BucketConfig::new(Rate::per_second(1), 100),
+        clock.clone(),
+    )
+    .unwrap();
     clock.advance(std::time::Duration::from_secs(1_000));
     th.bucket().replenish();
     let l = ("throttle", "m_stats");

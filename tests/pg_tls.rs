@@ -10,9 +10,9 @@ use std::time::Duration;
 
 use common::pg::{cluster_or_skip, cluster_with_files_or_skip, error_chain, PgCluster};
 use iothrottle::checkpoint::{Checkpoint, PgCheckpoint, Snapshot};
-use iothrottle::pg::rustls::{self, ClientConfig, RootCertStore};
 use iothrottle::pg::{PgKeyedLimiter, PgOptions, PgWindowLimiter};
 use iothrottle::{BucketConfig, CheckpointError, PgLimitError, Rate, SharedTokenBucket};
+use rustls::{ClientConfig, RootCertStore};
 use tokio_postgres::NoTls;
 
 /// A self-signed certificate for `127.0.0.1` and `localhost`, whose subject is `CN=cn`:

@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use iothrottle::dispatcher::{ClassConfig, DiskModel, Dispatcher, IoRequest};
+use iothrottle::dispatcher::{ClassConfig, DiskModel, Dispatcher, Figures, IoRequest};
 use iothrottle::{
     BucketConfig, Clock, Rate, SharedMemoryBucket, SharedTokenBucket, SystemMonotonicClock,
     Throttle, Uncapped,
@@ -35,7 +35,10 @@ fn two_throttles_on_one_file_take_from_one_bucket() {
 fn two_dispatchers_on_one_file_share_its_budget() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("disk.bucket");
-    let disk = DiskModel::symmetric(200_000_000, 20_000);
+    let disk = DiskModel::symmetric(Figures {
+        iops: 20_000,
+        bandwidth: 200_000_000,
+    });
     let cfg = BucketConfig::new(Rate::per_second(DiskModel::TOKENS_PER_SECOND), 750_000)
         .with_threshold(20_000);
     let open = || {

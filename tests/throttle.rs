@@ -21,7 +21,7 @@ const MS: Duration = Duration::from_millis(1);
 
 fn throttle<M: Mode>(rate: Rate, limit: u64, threshold: u64) -> Throttle<M, TokioClock> {
     let cfg = BucketConfig::new(rate, limit).with_threshold(threshold);
-    Throttle::with_mode_and_clock(cfg, TokioClock::new()).unwrap()
+    Throttle::with_clock(cfg, TokioClock::new()).unwrap()
 }
 
 /// Empties the (fresh) bucket: the first acquire fills it to the limit and takes it all.
@@ -313,7 +313,7 @@ fn close_wakes_waiters_on_a_multi_thread_runtime() {
         .unwrap();
     rt.block_on(async {
         // One token per hour: without close these would wait for days.
-        let th: Throttle<Capped> = Throttle::new_capped(BucketConfig::new(
+        let th: Throttle<Capped> = Throttle::new(BucketConfig::new(
             Rate::new(1, Duration::from_secs(3600)),
             1,
         ))
@@ -557,7 +557,7 @@ fn many_tasks_on_a_multi_thread_runtime_get_exactly_their_tokens() {
         .unwrap();
     rt.block_on(async {
         let th: Throttle<Capped> =
-            Throttle::new_capped(BucketConfig::new(Rate::per_second(200_000), 64)).unwrap();
+            Throttle::new(BucketConfig::new(Rate::per_second(200_000), 64)).unwrap();
         let mut tasks = Vec::new();
         for _ in 0..8 {
             let th = th.clone();
@@ -590,10 +590,9 @@ fn racing_cancellations_leak_nothing(workers: u64, ops: u64, seed: u64) {
         .build()
         .unwrap();
     rt.block_on(async {
-        let th: Throttle<Capped> = Throttle::new_capped(
-            BucketConfig::new(Rate::per_second(200_000), 64).with_threshold(4),
-        )
-        .unwrap();
+        let th: Throttle<Capped> =
+            Throttle::new(BucketConfig::new(Rate::per_second(200_000), 64).with_threshold(4))
+                .unwrap();
         let mut tasks = Vec::new();
         for w in 0..workers {
             let th = th.clone();
@@ -659,12 +658,14 @@ async fn set_rate_raise_mid_wait_serves_within_one_period_at_the_new_rate() {
     assert!(at <= 11 * MS, "served at {at:?}");
 }
 
-/// `Throttle::new` needs no turbofish; the capped one is `new_capped`.
+/// `Throttle::new` is generic over the mode: the turbofish names it.
 #[tokio::test]
-async fn new_needs_no_type_annotation_and_stats_count() {
-    let th = Throttle::new(BucketConfig::new(Rate::per_second(1_000), 10)).unwrap();
-    let capped = Throttle::new_capped(BucketConfig::new(Rate::per_second(1_000), 10)).unwrap();
+async fn new_is_generic_over_the_mode_and_stats_count() {
+    let th = Throttle::<Uncapped>::new(BucketConfig::new(Rate::per_second(1_000), 10)).unwrap();
+    let capped = Throttle::<Capped>::new(BucketConfig::new(Rate::per_second(1_000), 10)).unwrap();
     assert!(!capped.is_closed());
+    assert!(capped.bucket().snapshot().ceil.is_some());
+    assert!(th.bucket().snapshot().ceil.is_none());
     let p = th.acquire(4).await.unwrap();
     assert_eq!(p.tokens(), 4);
     let s = th.stats();

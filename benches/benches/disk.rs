@@ -83,7 +83,7 @@ use std::time::{Duration, Instant};
 use criterion::{BenchmarkId, Criterion};
 use io_uring::{opcode, types, IoUring};
 use iothrottle::disk::{AlignedBuf, Backend, FileOptions, ThrottledFile, ALIGN};
-use iothrottle::dispatcher::{ClassConfig, ClassId, DiskModel, Dispatcher, IoRequest};
+use iothrottle::dispatcher::{ClassConfig, ClassId, DiskModel, Dispatcher, Figures, IoRequest};
 use iothrottle::Rate;
 use tokio::task::JoinSet;
 
@@ -794,12 +794,10 @@ fn unthrottled(idle_poll: Option<Duration>, sched_batch: bool) -> (Arc<Dispatche
         .limit(1 << 50)
         .threshold(1 << 20)
         .batch(1 << 30)
-        .disk(DiskModel::new(
-            1_000_000_000,
-            1_000_000_000,
-            100_000,
-            100_000,
-        ));
+        .disk(DiskModel::symmetric(Figures {
+            iops: 100_000,
+            bandwidth: 1_000_000_000,
+        }));
     if let Some(t) = idle_poll {
         b = b.idle_poll(t);
     }

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion};
-use iothrottle::dispatcher::{ClassConfig, ClassId, DiskModel, Dispatcher, IoRequest};
+use iothrottle::dispatcher::{ClassConfig, ClassId, DiskModel, Dispatcher, Figures, IoRequest};
 use iothrottle::Rate;
 
 /// Requests in flight while measuring overhead (both sides submit this many, then await them).
@@ -29,10 +29,14 @@ fn unthrottled(shards: usize) -> (Dispatcher, ClassId) {
     let d = Dispatcher::builder()
         .shards(shards)
         .disk(DiskModel::new(
-            2_000_000_000,
-            1_000_000_000,
-            400_000,
-            100_000,
+            Figures {
+                iops: 400_000,
+                bandwidth: 2_000_000_000,
+            },
+            Figures {
+                iops: 100_000,
+                bandwidth: 1_000_000_000,
+            },
         ))
         .capped(false)
         .rate(Rate::per_second(Rate::MAX_PER_SECOND))
@@ -119,12 +123,10 @@ fn queue_depth_one(c: &mut Criterion) {
     for shards in [1usize, 2] {
         let b = Dispatcher::builder()
             .shards(shards)
-            .disk(DiskModel::new(
-                u64::MAX / 4,
-                u64::MAX / 4,
-                1_000_000,
-                1_000_000,
-            ))
+            .disk(DiskModel::symmetric(Figures {
+                iops: 1_000_000,
+                bandwidth: u64::MAX / 4,
+            }))
             .capped(false)
             .limit(1_000_000)
             .class(ClassConfig::new("c", 100));
@@ -234,7 +236,10 @@ fn fairness(c: &mut Criterion) {
     let builder = |shards| {
         Dispatcher::builder()
             .shards(shards)
-            .disk(DiskModel::new(100_000_000, 100_000_000, 10_000, 10_000))
+            .disk(DiskModel::symmetric(Figures {
+                iops: 10_000,
+                bandwidth: 100_000_000,
+            }))
             .capped(false)
             .limit(25_000_000)
             .batch(500_000)

@@ -112,7 +112,7 @@ fn ours_waiters<M: Mode>(iters: u64) -> Duration {
     let th = std::cell::OnceCell::new();
     let make = || {
         let th: &Throttle<M, TokioClock> = th.get_or_init(|| {
-            Throttle::with_mode_and_clock(
+            Throttle::with_clock(
                 BucketConfig::new(Rate::per_second(1_000), TASKS),
                 TokioClock::new(),
             )

@@ -52,7 +52,8 @@ use clap::Parser;
 use hdrhistogram::Histogram;
 use iothrottle::disk::{AlignedBuf as DiskBuf, FileOptions, ThrottledFile};
 use iothrottle::dispatcher::{
-    ClassConfig, ClassId, DiskModel, Dispatcher, DispatcherBuilder, DispatcherStats, IoRequest,
+    ClassConfig, ClassId, DiskModel, Dispatcher, DispatcherBuilder, DispatcherStats, Figures,
+    IoRequest,
 };
 use iothrottle::DiskError;
 use iothrottle::{BucketConfig, Rate, Throttle, Uncapped};
@@ -304,10 +305,14 @@ fn quick_model(file: &Arc<File>, fg: (u64, u64), bg: (u64, u64)) -> Result<DiskM
     let (write_iops, _) = measure(file, bg, true, true, 4096, 32, t * 2)?;
     let (_, write_bw) = measure(file, bg, true, false, 1 << 20, 4, t * 2)?;
     let m = DiskModel::new(
-        read_bw.max(1.0) as u64,
-        write_bw.max(1.0) as u64,
-        read_iops.max(1.0) as u64,
-        write_iops.max(1.0) as u64,
+        Figures {
+            iops: read_iops.max(1.0) as u64,
+            bandwidth: read_bw.max(1.0) as u64,
+        },
+        Figures {
+            iops: write_iops.max(1.0) as u64,
+            bandwidth: write_bw.max(1.0) as u64,
+        },
     );
     m.validate()?;
     Ok(m)
@@ -1000,10 +1005,10 @@ async fn real_disk_inner(
     };
     println!(
         "  reads {:.0} IOPS, {:.0} MB/s; writes {:.0} IOPS, {:.0} MB/s",
-        disk.read_iops as f64,
-        disk.read_bw as f64 / 1e6,
-        disk.write_iops as f64,
-        disk.write_bw as f64 / 1e6
+        disk.read.iops as f64,
+        disk.read.bandwidth as f64 / 1e6,
+        disk.write.iops as f64,
+        disk.write.bandwidth as f64 / 1e6
     );
     let (d, io) = dispatcher(args, disk, None, &file, &path)?;
     let (d_cross, cross_io) = dispatcher(args, disk, None, &file, &path)?;
@@ -1018,7 +1023,10 @@ async fn real_disk_inner(
     // holds a request back (a modelled disk a thousand times faster than any, uncapped).
     let engine = Arc::new(
         Dispatcher::builder()
-            .disk(DiskModel::new(1 << 40, 1 << 40, 1 << 30, 1 << 30))
+            .disk(DiskModel::symmetric(Figures {
+                iops: 1 << 30,
+                bandwidth: 1 << 40,
+            }))
             .capped(false)
             .class(ClassConfig::new("all", 1))
             .build()?,

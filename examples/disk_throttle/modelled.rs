@@ -22,7 +22,10 @@ pub(super) fn run(args: &Args) -> Result<(), BoxError> {
     }
     check_plot_path(&args.plot)?;
     let bw = args.rate * 1_000_000;
-    let disk = DiskModel::symmetric(bw, args.iops);
+    let disk = DiskModel::symmetric(Figures {
+        iops: args.iops,
+        bandwidth: bw,
+    });
     let d = Arc::new(
         Dispatcher::builder()
             .disk(disk)

@@ -88,14 +88,14 @@ impl Tickets {
 /// use std::sync::Arc;
 /// use tokio::io::{AsyncWriteExt, BufWriter};
 /// use iothrottle::adapter::ClassIo;
-/// use iothrottle::dispatcher::{ClassConfig, DiskModel, Dispatcher};
+/// use iothrottle::dispatcher::{ClassConfig, DiskModel, Figures, Dispatcher};
 ///
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// let mut b = Dispatcher::builder()
 ///     .shards(1)
 ///     .pin_threads(false)
-///     .disk(DiskModel::new(1 << 30, 1 << 30, 100_000, 100_000));
+///     .disk(DiskModel::symmetric(Figures { iops: 100_000, bandwidth: 1 << 30 }));
 /// let log_class = b.add_class(ClassConfig::new("log", 100))?;
 /// let dispatcher = Arc::new(b.build()?);
 ///

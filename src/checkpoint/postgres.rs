@@ -151,7 +151,7 @@ impl PgCheckpoint {
     /// names the handshake failure. Without it the store uses no TLS.
     #[cfg(feature = "postgres-tls")]
     #[cfg_attr(docsrs, doc(cfg(feature = "postgres-tls")))]
-    pub fn with_tls(mut self, config: crate::pg::rustls::ClientConfig) -> Self {
+    pub fn with_tls(mut self, config: rustls::ClientConfig) -> Self {
         self.tls = Tls::rustls(config);
         self.tls.apply(&mut self.config);
         self

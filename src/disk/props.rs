@@ -23,7 +23,7 @@ use std::fmt::Write as _;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-use crate::dispatcher::DiskModel;
+use crate::dispatcher::{DiskModel, Figures};
 use crate::PropertiesError;
 
 /// The contents of an io-properties file: one entry per disk.
@@ -53,16 +53,14 @@ pub struct DiskProperties {
 }
 
 impl DiskProperties {
-    /// The [`DiskModel`] of these figures — a field-by-field copy, named so that no figure can
-    /// land in the wrong place (`DiskModel::new` takes bandwidths first, the file lists IOPS
-    /// first):
+    /// The [`DiskModel`] of these figures — a field-by-field copy, each figure set by name:
     ///
-    /// | io-properties     | `DiskModel`  |
-    /// |-------------------|--------------|
-    /// | `read_bandwidth`  | `read_bw`    |
-    /// | `write_bandwidth` | `write_bw`   |
-    /// | `read_iops`       | `read_iops`  |
-    /// | `write_iops`      | `write_iops` |
+    /// | io-properties     | `DiskModel`       |
+    /// |-------------------|-------------------|
+    /// | `read_bandwidth`  | `read.bandwidth`  |
+    /// | `write_bandwidth` | `write.bandwidth` |
+    /// | `read_iops`       | `read.iops`       |
+    /// | `write_iops`      | `write.iops`      |
     ///
     /// The dispatcher charges a request `1/iops + bytes/bandwidth` (see [`DiskModel::cost`]), so
     /// at full rate it admits fewer small requests than the measured IOPS (a 4 KiB read also
@@ -78,17 +76,21 @@ impl DiskProperties {
     ///      write_iops: 50000\n    write_bandwidth: 1000000000\n",
     /// )?;
     /// let model = props.disks[0].disk_model();
-    /// assert_eq!(model.read_bw, 2 << 30);
-    /// assert_eq!(model.write_bw, 1_000_000_000);
-    /// assert_eq!((model.read_iops, model.write_iops), (100_000, 50_000));
+    /// assert_eq!(model.read.bandwidth, 2 << 30);
+    /// assert_eq!(model.write.bandwidth, 1_000_000_000);
+    /// assert_eq!((model.read.iops, model.write.iops), (100_000, 50_000));
     /// # Ok::<(), iothrottle::PropertiesError>(())
     /// ```
     pub fn disk_model(&self) -> DiskModel {
         DiskModel {
-            read_bw: self.read_bandwidth,
-            write_bw: self.write_bandwidth,
-            read_iops: self.read_iops,
-            write_iops: self.write_iops,
+            read: Figures {
+                iops: self.read_iops,
+                bandwidth: self.read_bandwidth,
+            },
+            write: Figures {
+                iops: self.write_iops,
+                bandwidth: self.write_bandwidth,
+            },
         }
     }
 

@@ -254,11 +254,11 @@ impl DispatcherBuilder {
     /// already started are stopped again).
     ///
     /// ```
-    /// # use iothrottle::dispatcher::{ClassConfig, DiskModel, Dispatcher};
+    /// # use iothrottle::dispatcher::{ClassConfig, DiskModel, Figures, Dispatcher};
     /// // Shards on SCHED_BATCH: a woken shard does not preempt the thread that woke it, so a
     /// // caller sharing its core submits a whole batch before the shard takes it (Linux).
     /// let dispatcher = Dispatcher::builder()
-    ///     .disk(DiskModel::symmetric(200_000_000, 20_000))
+    ///     .disk(DiskModel::symmetric(Figures { iops: 20_000, bandwidth: 200_000_000 }))
     ///     .class(ClassConfig::new("io", 1))
     ///     .on_shard_start(|_shard| {
     ///         let param = libc::sched_param { sched_priority: 0 };
@@ -292,12 +292,12 @@ impl DispatcherBuilder {
     /// ```
     /// # use std::sync::atomic::{AtomicUsize, Ordering};
     /// # use std::sync::Arc;
-    /// # use iothrottle::dispatcher::{ClassConfig, DiskModel, Dispatcher};
+    /// # use iothrottle::dispatcher::{ClassConfig, DiskModel, Figures, Dispatcher};
     /// let stopped = Arc::new(AtomicUsize::new(0));
     /// let counter = stopped.clone();
     /// let dispatcher = Dispatcher::builder()
     ///     .shards(2)
-    ///     .disk(DiskModel::symmetric(200_000_000, 20_000))
+    ///     .disk(DiskModel::symmetric(Figures { iops: 20_000, bandwidth: 200_000_000 }))
     ///     .class(ClassConfig::new("io", 1))
     ///     .on_shard_stop(move |_shard| {
     ///         counter.fetch_add(1, Ordering::SeqCst);
@@ -388,11 +388,11 @@ impl DispatcherBuilder {
     /// [`build`](Self::build) (shares in `1..=1000`, a positive cap, a unique name).
     ///
     /// ```
-    /// use iothrottle::dispatcher::{ClassConfig, Dispatcher, DiskModel};
+    /// use iothrottle::dispatcher::{ClassConfig, Dispatcher, DiskModel, Figures};
     ///
     /// let dispatcher = Dispatcher::builder()
     ///     .shards(1)
-    ///     .disk(DiskModel::symmetric(200_000_000, 20_000))
+    ///     .disk(DiskModel::symmetric(Figures { iops: 20_000, bandwidth: 200_000_000 }))
     ///     .class(ClassConfig::new("foreground", 800))
     ///     .class(ClassConfig::new("compaction", 200))
     ///     .build()?;

@@ -60,8 +60,9 @@ impl fmt::Display for ClassId {
 ///
 /// ```
 /// use iothrottle::dispatcher::{ClassConfig, Priority};
+/// use iothrottle::Rate;
 ///
-/// let compaction = ClassConfig::new("compaction", 200).with_bandwidth_cap(50 << 20);
+/// let compaction = ClassConfig::new("compaction", 200).with_bandwidth_cap(Rate::mib_per_second(50));
 /// assert_eq!(compaction.shares(), 200);
 /// let user = ClassConfig::new("user reads", 100).with_priority(Priority::High);
 /// assert_eq!(user.priority(), Priority::High);
@@ -70,7 +71,7 @@ impl fmt::Display for ClassId {
 pub struct ClassConfig {
     name: String,
     shares: u32,
-    bandwidth_cap: Option<u64>,
+    bandwidth_cap: Option<Rate>,
     priority: Priority,
     latency_target: Option<Duration>,
     max_in_flight: Option<Duration>,
@@ -92,10 +93,11 @@ impl ClassConfig {
         }
     }
 
-    /// Caps the class at `bytes_per_second`, whatever its shares (a per-class token bucket of
-    /// bytes, shared by all shards, with a burst of 100 ms of the cap).
-    pub fn with_bandwidth_cap(mut self, bytes_per_second: u64) -> Self {
-        self.bandwidth_cap = Some(bytes_per_second);
+    /// Caps the class at `cap` bytes, whatever its shares (a per-class token bucket of bytes,
+    /// shared by all shards, with a burst of 100 ms of the cap). The same [`Rate`] as
+    /// [`Dispatcher::set_bandwidth_cap`](super::Dispatcher::set_bandwidth_cap) takes.
+    pub fn with_bandwidth_cap(mut self, cap: Rate) -> Self {
+        self.bandwidth_cap = Some(cap);
         self
     }
 
@@ -151,8 +153,8 @@ impl ClassConfig {
         self.shares
     }
 
-    /// The bandwidth cap, bytes per second.
-    pub fn bandwidth_cap(&self) -> Option<u64> {
+    /// The bandwidth cap, in bytes.
+    pub fn bandwidth_cap(&self) -> Option<Rate> {
         self.bandwidth_cap
     }
 
@@ -163,7 +165,7 @@ impl ClassConfig {
 
     pub(crate) fn validate(&self) -> Result<(), BuildError> {
         check_shares(&self.name, self.shares)?;
-        if self.bandwidth_cap == Some(0) {
+        if matches!(self.bandwidth_cap, Some(cap) if cap.tokens() == 0) {
             return Err(BuildError::ZeroBandwidthCap {
                 class: self.name.clone(),
             });
@@ -283,7 +285,7 @@ impl Classes {
             config.validate()?;
             let cap = match config.bandwidth_cap {
                 None => None,
-                Some(bps) => Some(Arc::new(cap_bucket(Rate::per_second(bps), clock)?)),
+                Some(cap) => Some(Arc::new(cap_bucket(cap, clock)?)),
             };
             let in_flight = config
                 .max_in_flight
@@ -328,10 +330,7 @@ impl Classes {
     pub(crate) fn config(&self, class: usize) -> ClassConfig {
         let mut config = self.classes[class].config.clone();
         config.shares = self.shares(class);
-        config.bandwidth_cap = self.cap(class).map(|c| {
-            let r = c.rate();
-            u64::try_from(r.tokens_in(Duration::from_secs(1))).unwrap_or(u64::MAX)
-        });
+        config.bandwidth_cap = self.cap(class).map(|c| c.rate());
         config
     }
 
@@ -511,7 +510,7 @@ mod tests {
             assert!(matches!(err, BuildError::SharesOutOfRange { shares, .. } if shares == bad));
         }
         let err = Classes::new(
-            vec![ClassConfig::new("x", 1).with_bandwidth_cap(0)],
+            vec![ClassConfig::new("x", 1).with_bandwidth_cap(Rate::per_second(0))],
             1,
             (1, 1),
             Rate::per_second(1000),
@@ -525,14 +524,14 @@ mod tests {
     fn the_current_configuration_follows_changes() {
         let clock: ArcClock = Arc::new(ManualClock::new());
         let c = Classes::new(
-            vec![ClassConfig::new("x", 10).with_bandwidth_cap(1 << 20)],
+            vec![ClassConfig::new("x", 10).with_bandwidth_cap(Rate::per_second(1 << 20))],
             1,
             (1, 1),
             Rate::per_second(1000),
             &clock,
         )
         .unwrap();
-        assert_eq!(c.config(0).bandwidth_cap(), Some(1 << 20));
+        assert_eq!(c.config(0).bandwidth_cap(), Some(Rate::per_second(1 << 20)));
         c.set_shares(0, 20);
         c.set_cap(0, None);
         assert_eq!(c.config(0).shares(), 20);

@@ -26,9 +26,12 @@ pub enum IoKind {
 /// cost that bypasses the [`DiskModel`].
 ///
 /// ```
-/// use iothrottle::dispatcher::{DiskModel, IoRequest};
+/// use iothrottle::dispatcher::{DiskModel, Figures, IoRequest};
 ///
-/// let disk = DiskModel::new(1_000_000_000, 500_000_000, 100_000, 50_000);
+/// let disk = DiskModel::new(
+///     Figures { iops: 100_000, bandwidth: 1_000_000_000 },
+///     Figures { iops: 50_000, bandwidth: 500_000_000 },
+/// );
 /// // 1/100_000 s + 4096 B / (1 GB/s) = 10_000 ns + 4_096 ns of disk time.
 /// assert_eq!(disk.cost(&IoRequest::read(4096)), 14_096);
 /// assert_eq!(disk.cost(&IoRequest::tokens(7)), 7);
@@ -109,34 +112,44 @@ impl IoRequest {
 /// figures are positive.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct DiskModel {
-    /// Read bandwidth, bytes per second.
-    pub read_bw: u64,
-    /// Write bandwidth, bytes per second.
-    pub write_bw: u64,
-    /// Reads per second at small sizes.
-    pub read_iops: u64,
-    /// Writes per second at small sizes.
-    pub write_iops: u64,
+    /// What reads achieve.
+    pub read: Figures,
+    /// What writes achieve.
+    pub write: Figures,
+}
+
+/// One direction of a [`DiskModel`] (reads or writes): its two figures, set by name, so that
+/// they cannot be swapped silently.
+///
+/// ```
+/// use iothrottle::dispatcher::{DiskModel, Figures};
+///
+/// let nvme = DiskModel::new(
+///     Figures { iops: 400_000, bandwidth: 2_000_000_000 },
+///     Figures { iops: 100_000, bandwidth: 1_000_000_000 },
+/// );
+/// assert_eq!(nvme.write.bandwidth, 1_000_000_000);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Figures {
+    /// Operations per second at small sizes.
+    pub iops: u64,
+    /// Bytes per second at large sizes.
+    pub bandwidth: u64,
 }
 
 impl DiskModel {
     /// Tokens per second of disk time: one token is one nanosecond.
     pub const TOKENS_PER_SECOND: u64 = 1_000_000_000;
 
-    /// A disk model from its four figures (bytes per second, operations per second).
-    pub const fn new(read_bw: u64, write_bw: u64, read_iops: u64, write_iops: u64) -> Self {
-        DiskModel {
-            read_bw,
-            write_bw,
-            read_iops,
-            write_iops,
-        }
+    /// A disk model from what its reads and its writes achieve.
+    pub const fn new(read: Figures, write: Figures) -> Self {
+        DiskModel { read, write }
     }
 
-    /// A disk that reads and writes alike: `bandwidth` bytes per second and `iops` operations
-    /// per second each way.
-    pub const fn symmetric(bandwidth: u64, iops: u64) -> Self {
-        DiskModel::new(bandwidth, bandwidth, iops, iops)
+    /// A disk that reads and writes alike: `figures` each way.
+    pub const fn symmetric(figures: Figures) -> Self {
+        DiskModel::new(figures, figures)
     }
 
     /// How long `request` keeps this disk busy, by the model (its cost in tokens, as time).
@@ -152,10 +165,10 @@ impl DiskModel {
     /// Checks that all four figures are positive.
     pub fn validate(&self) -> Result<(), BuildError> {
         for (field, value) in [
-            ("read_bw", self.read_bw),
-            ("write_bw", self.write_bw),
-            ("read_iops", self.read_iops),
-            ("write_iops", self.write_iops),
+            ("read.bandwidth", self.read.bandwidth),
+            ("write.bandwidth", self.write.bandwidth),
+            ("read.iops", self.read.iops),
+            ("write.iops", self.write.iops),
         ] {
             if value == 0 {
                 return Err(BuildError::ZeroDiskFigure { field });
@@ -204,8 +217,8 @@ impl DiskModel {
 
     fn figures(&self, kind: IoKind) -> (u64, u64) {
         match kind {
-            IoKind::Read => (self.read_bw, self.read_iops),
-            IoKind::Write => (self.write_bw, self.write_iops),
+            IoKind::Read => (self.read.bandwidth, self.read.iops),
+            IoKind::Write => (self.write.bandwidth, self.write.iops),
         }
     }
 
@@ -314,28 +327,59 @@ mod tests {
 
     #[test]
     fn cost_is_op_plus_bytes() {
-        let d = DiskModel::new(1_000_000_000, 250_000_000, 100_000, 20_000);
+        let d = DiskModel::new(
+            Figures {
+                iops: 100_000,
+                bandwidth: 1_000_000_000,
+            },
+            Figures {
+                iops: 20_000,
+                bandwidth: 250_000_000,
+            },
+        );
         assert_eq!(d.cost(&IoRequest::read(0)), 10_000);
         assert_eq!(d.cost(&IoRequest::read(1 << 20)), 10_000 + 1_048_576);
         assert_eq!(d.cost(&IoRequest::write(1 << 20)), 50_000 + 4 * 1_048_576);
         // Rounds up: 1 byte at 3 B/s is a third of a second, 333_333_333.3 ns.
-        let slow = DiskModel::new(3, 3, 1, 1);
+        let slow = DiskModel::symmetric(Figures {
+            iops: 1,
+            bandwidth: 3,
+        });
         assert_eq!(slow.cost(&IoRequest::read(1)), 1_000_000_000 + 333_333_334);
     }
 
     #[test]
     fn zero_figures_are_rejected() {
-        let d = DiskModel::new(1, 0, 1, 1);
+        let d = DiskModel::new(
+            Figures {
+                iops: 1,
+                bandwidth: 1,
+            },
+            Figures {
+                iops: 1,
+                bandwidth: 0,
+            },
+        );
         assert!(matches!(
             d.validate(),
-            Err(BuildError::ZeroDiskFigure { field: "write_bw" })
+            Err(BuildError::ZeroDiskFigure {
+                field: "write.bandwidth"
+            })
         ));
-        assert!(DiskModel::symmetric(1, 1).validate().is_ok());
+        assert!(DiskModel::symmetric(Figures {
+            iops: 1,
+            bandwidth: 1
+        })
+        .validate()
+        .is_ok());
     }
 
     #[test]
     fn max_bytes_within_none_when_op_alone_too_big() {
-        let d = DiskModel::new(1_000_000_000, 1_000_000_000, 1_000, 1_000);
+        let d = DiskModel::symmetric(Figures {
+            iops: 1_000,
+            bandwidth: 1_000_000_000,
+        });
         // One operation costs 1_000_000 tokens.
         assert_eq!(d.max_bytes_within(IoKind::Read, 1_000_000), None);
         assert_eq!(d.max_bytes_within(IoKind::Read, 1_000_001), Some(1));
@@ -374,7 +418,10 @@ mod tests {
     /// O_DIRECT.
     #[test]
     fn split_pieces_are_4k_aligned_for_o_direct() {
-        let d = DiskModel::new(300_000_000, 300_000_000, 10_000, 10_000);
+        let d = DiskModel::symmetric(Figures {
+            iops: 10_000,
+            bandwidth: 300_000_000,
+        });
         let max = d.max_aligned_bytes_within(IoKind::Write, 500_000).unwrap();
         assert_eq!(max % SPLIT_ALIGN, 0);
         assert!(!d
@@ -416,7 +463,7 @@ mod tests {
             iops in 1u64..2_000_000,
             max in 1u64..100_000_000_000,
         ) {
-            let d = DiskModel::new(bw, bw, iops, iops);
+            let d = DiskModel::symmetric(Figures { iops, bandwidth: bw });
             match d.max_bytes_within(IoKind::Write, max) {
                 Some(b) => {
                     prop_assert!(d.cost(&IoRequest::write(b)) <= max);

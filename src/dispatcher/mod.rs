@@ -6,10 +6,10 @@
 //! classes share the disk by their shares, across shards too.
 //!
 //! ```
-//! use iothrottle::dispatcher::{ClassConfig, Dispatcher, DiskModel, IoRequest};
+//! use iothrottle::dispatcher::{ClassConfig, Dispatcher, DiskModel, Figures, IoRequest};
 //!
 //! // Your disk, measured (fio, iotune) or loaded from an io_properties.yaml: 200 MB/s, 20k IOPS.
-//! let disk = DiskModel::symmetric(200_000_000, 20_000);
+//! let disk = DiskModel::symmetric(Figures { iops: 20_000, bandwidth: 200_000_000 });
 //! // At most 0.75 ms of disk time in flight (the default latency goal); reads get 4× the
 //! // disk time of compaction.
 //! let dispatcher = Dispatcher::builder()
@@ -71,7 +71,7 @@ mod tests;
 
 pub use builder::DispatcherBuilder;
 pub use class::{ClassConfig, ClassId, Priority};
-pub use cost::{DiskModel, IoKind, IoRequest, Piece, MAX_SPLIT_PIECES, SPLIT_ALIGN};
+pub use cost::{DiskModel, Figures, IoKind, IoRequest, Piece, MAX_SPLIT_PIECES, SPLIT_ALIGN};
 pub use dispatcher::Dispatcher;
 pub use handle::{IoHandle, SplitHandle};
 pub use spawn::{current_shard, ShardHandle, ShardJoinHandle};

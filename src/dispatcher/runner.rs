@@ -499,7 +499,7 @@ async fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dispatcher::{ClassConfig, ClassId, DiskModel, Dispatcher, IoRequest};
+    use crate::dispatcher::{ClassConfig, ClassId, DiskModel, Dispatcher, Figures, IoRequest};
     use crate::sync::Ordering;
 
     fn one_shard(idle_poll: Duration) -> (Dispatcher, ClassId) {
@@ -507,7 +507,10 @@ mod tests {
             .shards(1)
             .pin_threads(false)
             .idle_poll(idle_poll)
-            .disk(DiskModel::new(1 << 30, 1 << 30, 100_000, 100_000));
+            .disk(DiskModel::symmetric(Figures {
+                iops: 100_000,
+                bandwidth: 1 << 30,
+            }));
         let class = b.add_class(ClassConfig::new("io", 100)).unwrap();
         (b.build().unwrap(), class)
     }

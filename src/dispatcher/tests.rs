@@ -325,7 +325,16 @@ impl Sim {
 
 /// The disk the simulations model unless they say otherwise: a fast NVMe drive (2 GB/s reads,
 /// 1 GB/s writes, 400k read IOPS, 100k write IOPS), stated explicitly.
-const NVME: DiskModel = DiskModel::new(2_000_000_000, 1_000_000_000, 400_000, 100_000);
+const NVME: DiskModel = DiskModel::new(
+    Figures {
+        iops: 400_000,
+        bandwidth: 2_000_000_000,
+    },
+    Figures {
+        iops: 100_000,
+        bandwidth: 1_000_000_000,
+    },
+);
 
 fn builder(shards: usize) -> DispatcherBuilder {
     Dispatcher::builder().shards(shards).disk(NVME)
@@ -442,8 +451,10 @@ fn queue_depth_one_does_not_collapse() {
     // reservations (as in Seastar's io_queue up to its issue #3201) would hand each shard 2 ms of
     // tokens per request and collapse to ~500 IOPS each.
     let run = |shards: usize| {
-        let mut b =
-            builder(shards).disk(DiskModel::new(u64::MAX / 4, u64::MAX / 4, 100_000, 100_000));
+        let mut b = builder(shards).disk(DiskModel::symmetric(Figures {
+            iops: 100_000,
+            bandwidth: u64::MAX / 4,
+        }));
         let c = b.add_class(ClassConfig::new("c", 100)).unwrap();
         let feeds = (0..shards)
             .map(|s| Feed::new(s, c, IoRequest::read(0), 1))
@@ -495,7 +506,7 @@ fn an_idle_class_cannot_bank_its_idle_time() {
 fn per_class_bandwidth_cap_holds() {
     let mut b = builder(2);
     let capped = b
-        .add_class(ClassConfig::new("capped", 1000).with_bandwidth_cap(100 << 20))
+        .add_class(ClassConfig::new("capped", 1000).with_bandwidth_cap(Rate::per_second(100 << 20)))
         .unwrap();
     let other = b.add_class(ClassConfig::new("other", 1)).unwrap();
     let feeds = vec![
@@ -612,7 +623,10 @@ fn cancelled_requests_give_their_tokens_back() {
 #[test]
 fn a_class_waking_next_to_a_queue_depth_one_class_does_not_bank() {
     let mut b = builder(1)
-        .disk(DiskModel::new(200_000_000, 200_000_000, 20_000, 20_000))
+        .disk(DiskModel::symmetric(Figures {
+            iops: 20_000,
+            bandwidth: 200_000_000,
+        }))
         .max_cost(500_000);
     let fg = b.add_class(ClassConfig::new("fg", 4)).unwrap();
     let bg = b.add_class(ClassConfig::new("bg", 1)).unwrap();
@@ -726,7 +740,7 @@ fn a_capped_class_does_not_busy_poll() {
     let mut b = builder(1);
     // 1,000,000 bytes per second: the cap bucket adds bytes in steps of 1,000 (1 ms).
     let capped = b
-        .add_class(ClassConfig::new("capped", 100).with_bandwidth_cap(1_000_000))
+        .add_class(ClassConfig::new("capped", 100).with_bandwidth_cap(Rate::per_second(1_000_000)))
         .unwrap();
     // 1,010-byte requests: after each step the next request is a few bytes short, fewer
     // than a step.
@@ -818,7 +832,10 @@ fn a_high_priority_class_goes_first_within_the_rate() {
     // saturate. A high request waits at most for the reservations already ahead of it in the
     // bucket (its shard's, the other shard's, and the one that shard may grab meanwhile:
     // 3 × 250 µs), and the normal classes share the rest 1:1.
-    let mut b = builder(2).disk(DiskModel::new(u64::MAX / 4, u64::MAX / 4, 100_000, 100_000));
+    let mut b = builder(2).disk(DiskModel::symmetric(Figures {
+        iops: 100_000,
+        bandwidth: u64::MAX / 4,
+    }));
     let hi = b
         .add_class(ClassConfig::new("hi", 1).with_priority(Priority::High))
         .unwrap();
@@ -888,7 +905,16 @@ fn shares_hold_across_the_virtual_time_wrap() {
 
 /// A disk like this project's virtio disk, stated explicitly (random 4 KiB reads ~10k IOPS at
 /// queue depth 1, writes ~1 GB/s).
-const VIRTIO: DiskModel = DiskModel::new(400_000_000, 1_000_000_000, 20_000, 20_000);
+const VIRTIO: DiskModel = DiskModel::new(
+    Figures {
+        iops: 20_000,
+        bandwidth: 400_000_000,
+    },
+    Figures {
+        iops: 20_000,
+        bandwidth: 1_000_000_000,
+    },
+);
 
 /// Background pieces as large as the dispatcher issues them, `depth` of them outstanding per
 /// shard: a compaction with a deep backlog.
@@ -1012,7 +1038,14 @@ fn a_foreground_read_behind_a_large_background_backlog_waits_about_the_goal() {
 /// cover the request exactly and each cost at most `max_cost` (within the goal).
 #[test]
 fn one_mib_write_splits_into_aligned_pieces_within_the_goal() {
-    for disk in [VIRTIO, NVME, DiskModel::symmetric(150_000_000, 5_000)] {
+    for disk in [
+        VIRTIO,
+        NVME,
+        DiskModel::symmetric(Figures {
+            iops: 5_000,
+            bandwidth: 150_000_000,
+        }),
+    ] {
         let mut b = builder(1).disk(disk);
         b.add_class(ClassConfig::new("c", 1)).unwrap();
         let (shared, _) = b.shared().unwrap();
@@ -1045,7 +1078,10 @@ fn p99(mut samples: Vec<Duration>) -> Duration {
 #[test]
 fn latency_target_mode_protects_p99_and_leaves_the_rest() {
     let target = 5 * MS;
-    let disk = DiskModel::new(500_000_000, 500_000_000, 100_000, 100_000);
+    let disk = DiskModel::symmetric(Figures {
+        iops: 100_000,
+        bandwidth: 500_000_000,
+    });
     let mut b = builder(2).disk(disk);
     let fg = b
         .add_class(ClassConfig::new("fg", 100).with_latency_target(target))

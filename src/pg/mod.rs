@@ -37,13 +37,6 @@ pub use retry::{PgStats, RetryPolicy};
 pub use schema::{install, install_classic_function, installed_version, Schema, SCHEMA_VERSION};
 pub use window::{Decision, PgWindowLimiter, Zone};
 
-/// The rustls version whose [`ClientConfig`](rustls::ClientConfig) [`PgOptions::with_tls`]
-/// and [`PgCheckpoint::with_tls`](crate::checkpoint::PgCheckpoint::with_tls) take, built with
-/// the `ring` crypto provider only (feature `postgres-tls`).
-#[cfg(feature = "postgres-tls")]
-#[cfg_attr(docsrs, doc(cfg(feature = "postgres-tls")))]
-pub use rustls;
-
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::PgLimitError;

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use iothrottle::dispatcher::{ClassConfig, ClassId, DiskModel, Dispatcher};
+use iothrottle::dispatcher::{ClassConfig, ClassId, DiskModel, Dispatcher, Figures};
 
 /// One unpinned shard over a fast modelled disk (1 GB/s, 100k IOPS), one class `io`.
 pub fn dispatcher(capped: bool) -> (Arc<Dispatcher>, ClassId) {
@@ -10,12 +10,10 @@ pub fn dispatcher(capped: bool) -> (Arc<Dispatcher>, ClassId) {
         .shards(1)
         .pin_threads(false)
         .capped(capped)
-        .disk(DiskModel::new(
-            1_000_000_000,
-            1_000_000_000,
-            100_000,
-            100_000,
-        ))
+        .disk(DiskModel::symmetric(Figures {
+            iops: 100_000,
+            bandwidth: 1_000_000_000,
+        }))
         .class(ClassConfig::new("io", 100))
         .build()
         .unwrap();

@@ -9,7 +9,7 @@ use std::fs::File;
 
 use super::*;
 use crate::disk::AlignedBuf;
-use crate::dispatcher::{ClassConfig, DiskModel, Dispatcher, IoRequest};
+use crate::dispatcher::{ClassConfig, DiskModel, Dispatcher, Figures, IoRequest};
 
 /// Runs `fut` on a new current-thread runtime with a timer and no I/O driver (so nothing
 /// but the ring's own reaper can complete it); a minute without its completion fails the
@@ -32,7 +32,10 @@ fn one_shard() -> (Dispatcher, crate::dispatcher::ClassId) {
     let mut b = Dispatcher::builder()
         .shards(1)
         .pin_threads(false)
-        .disk(DiskModel::new(1 << 30, 1 << 30, 100_000, 100_000));
+        .disk(DiskModel::symmetric(Figures {
+            iops: 100_000,
+            bandwidth: 1 << 30,
+        }));
     let class = b.add_class(ClassConfig::new("io", 100)).unwrap();
     (b.build().unwrap(), class)
 }
