@@ -73,12 +73,18 @@ async fn terminated_backend_error_shows_sqlstate_and_server_message() {
     });
     let err = res.unwrap_err();
     assert!(matches!(err, PgLimitError::Connection { .. }), "{err:?}");
-    let text = err.to_string();
+    let text = error_chain(&err);
     assert!(text.contains("57P01"), "{text}");
     assert!(
         text.contains("terminating connection due to administrator command"),
         "{text}"
     );
+    // The server's text comes once, from the cause: the error's own message names only the
+    // SQLSTATE, so a reporter that prints the chain (anyhow, eyre) does not repeat it.
+    let own = err.to_string();
+    assert!(own.contains("57P01"), "{own}");
+    assert!(!own.contains("terminating connection"), "{own}");
+    assert_eq!(text.matches("terminating connection").count(), 1, "{text}");
 }
 
 #[tokio::test]
@@ -97,7 +103,7 @@ async fn server_error_shows_sqlstate_and_server_message() {
         .await
         .unwrap();
     let err = l.request("k", 1, 10).await.unwrap_err();
-    let text = err.to_string();
+    let text = error_chain(&err);
     assert!(
         matches!(&err, PgLimitError::Db { sqlstate, .. } if sqlstate == "23514"),
         "{err:?}"
@@ -312,7 +318,7 @@ async fn server_stopped_under_load_errors_say_why() {
                     window.check("login", "u").await.map(|_| ())
                 };
                 if let Err(e) = r {
-                    errors.push(e.to_string());
+                    errors.push(error_chain(&e));
                     tokio::time::sleep(Duration::from_millis(5)).await;
                 }
             }
@@ -450,12 +456,12 @@ async fn reconnecting_backs_off_and_says_why() {
     let unavailable = loop {
         match l.request("k", 10, 10).await {
             Err(e @ PgLimitError::Unavailable { .. }) => break e,
-            Err(e) => errors.push(e.to_string()),
+            Err(e) => errors.push(error_chain(&e)),
             Ok(_) => panic!("the server is down"),
         }
         assert!(errors.len() < 10, "{errors:#?}");
     };
-    let text = unavailable.to_string();
+    let text = error_chain(&unavailable);
     assert!(text.to_lowercase().contains("refused"), "{text}");
     match unavailable {
         PgLimitError::Unavailable { retry_in, .. } => {
@@ -547,7 +553,7 @@ async fn queued_calls_say_why(name: &str, how: CloseBy) {
         }
     }
     let first = first.await.unwrap().unwrap_err();
-    let text = first.to_string();
+    let text = error_chain(&first);
     eprintln!("{how:?}, the blocked call: {text}");
     match how {
         CloseBy::Terminate => assert!(
@@ -574,7 +580,7 @@ async fn queued_calls_say_why(name: &str, how: CloseBy) {
     assert!(text.contains("57P01"), "{text}");
     for q in queued {
         let e = q.await.unwrap().unwrap_err();
-        let text = e.to_string();
+        let text = error_chain(&e);
         eprintln!("{how:?}, a queued call: {text}");
         match &e {
             PgLimitError::Connection {

@@ -438,7 +438,8 @@ async fn run(
                     // A message is waiting: take it without parking.
                     continue;
                 }
-                // Relaxed: a statistic.
+                // Relaxed: a statistic of the unit tests.
+                #[cfg(test)]
                 shared.parks[index].fetch_add(1, crate::sync::Ordering::Relaxed);
                 tokio::select! {
                     msg = rx.recv(), if open => receive(msg, &mut open, &mut closing),

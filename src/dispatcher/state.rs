@@ -65,8 +65,9 @@ pub(crate) struct Shared {
     pub(crate) closed: AtomicU64,
     /// One per shard: its spawned tasks not yet ended (see `spawn::Live`).
     pub(crate) spawned: Vec<AtomicU64>,
-    /// One per shard: how many times its thread parked with nothing queued (a statistic, for
-    /// the tests of the idle poll).
+    /// One per shard: how many times its thread parked with nothing queued. Counted only in
+    /// the crate's own unit tests (of the idle poll): release builds carry no such field.
+    #[cfg(test)]
     pub(crate) parks: Vec<AtomicU64>,
 }
 
@@ -162,6 +163,7 @@ impl Shared {
             exits: ExitLatch::new(shards),
             released: (0..shards).map(|_| tokio::sync::Notify::new()).collect(),
             idle_poll: DispatcherBuilder::DEFAULT_IDLE_POLL,
+            #[cfg(test)]
             parks: (0..shards).map(|_| AtomicU64::new(0)).collect(),
             caller_dispatch: false,
             fast: (0..shards * classes_len)

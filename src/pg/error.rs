@@ -105,7 +105,7 @@ pub enum PgLimitError {
         schema: String,
     },
     /// A serialization failure (40001) or deadlock (40P01) persisted through every attempt.
-    #[error("gave up after {attempts} attempts, the last failed with {}", pg_error_text(.source))]
+    #[error("gave up after {attempts} attempts, the last failed with SQLSTATE {sqlstate}")]
     RetriesExhausted {
         /// Attempts made.
         attempts: u32,
@@ -118,8 +118,8 @@ pub enum PgLimitError {
     /// The connection failed or was closed while a statement was in flight. Whether that
     /// statement committed is unknown; the next call reconnects.
     #[error(
-        "connection to PostgreSQL lost (the outcome of the call is unknown): {}{}",
-        pg_error_text(.source),
+        "connection to PostgreSQL lost (the outcome of the call is unknown){}{}",
+        .source.code().map(|c| format!(", SQLSTATE {}", c.code())).unwrap_or_default(),
         .closed_by.as_ref().map(|r| format!(" (the server closed the session: {r})")).unwrap_or_default()
     )]
     Connection {
@@ -180,7 +180,7 @@ pub enum PgLimitError {
         at: std::time::SystemTime,
     },
     /// Any other error from the server, with its SQLSTATE.
-    #[error("PostgreSQL error {}", pg_error_text(.source))]
+    #[error("PostgreSQL error {sqlstate}")]
     Db {
         /// The SQLSTATE code (five characters), or `"?????"` when the server sent none.
         sqlstate: String,
