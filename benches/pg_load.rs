@@ -3,6 +3,7 @@
 //! reference function (`tests/common/pg_reference.rs`): N workers on one id or on N distinct ids, READ COMMITTED or
 //! SERIALIZABLE, retries with back-off; prints the achieved rate, the share of calls that got
 //! a token and the largest retry count.
+//! (One file over the usual size: its modes share one worker loop and one report.)
 //!
 //! It needs a server (it starts none):
 //!

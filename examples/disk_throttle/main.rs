@@ -1,5 +1,7 @@
 //! The main job: does the dispatcher protect foreground reads from a compaction on a **real
 //! disk**, and at what bandwidth, compared with no throttling and with a plain rate limiter?
+//! (One file over the usual size: the phases, the loop that measures them and the report are
+//! read together; the flags, the open-loop schedule and the modelled demo have files of their own.)
 //!
 //! ```text
 //! cargo run --release --example disk_throttle
