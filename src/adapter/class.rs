@@ -78,7 +78,7 @@ impl Tickets {
 /// Every operation that needs new credit is one ticket: a round trip through a shard (about
 /// 10 µs), charged one operation of the disk model. A stream of small writes (a log, a
 /// serializer writing field by field) would pay that per write and fall well short of the
-/// class's share. Put a [`tokio::io::BufWriter`] (reads: [`tokio::io::BufReader`]) *outside*
+/// class's share. Put a `tokio::io::BufWriter` (reads: `tokio::io::BufReader`) *outside*
 /// the `ClassIo`, with a capacity of [`max_chunks`](Self::max_chunks): the buffer gathers the
 /// small writes, and each full buffer is one ticket for one chunk, which is also the one
 /// operation the disk model charges for it. Flush (or shut down) the buffer at the end, as with

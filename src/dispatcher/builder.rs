@@ -356,14 +356,14 @@ impl DispatcherBuilder {
     }
 
     /// Dispatches from a bucket made elsewhere, typically one shared by several processes
-    /// through memory ([`SharedTokenBucket::open_with_clock`](crate::SharedTokenBucket::open_with_clock),
+    /// through memory (`SharedTokenBucket::open_with_clock`,
     /// feature `shm`): then the dispatchers of every process that opened it split one disk's
     /// budget, each by the shares of its own classes.
     ///
     /// The bucket's rate, limit, threshold, mode and clock replace the builder's, as with
     /// [`checkpoint`](Self::checkpoint) (which takes precedence if both are given). Build the
     /// bucket on an `Arc<dyn Clock>`, the dispatcher's clock type; for a bucket in shared
-    /// memory, that clock must be a [`SystemMonotonicClock`](crate::SystemMonotonicClock).
+    /// memory, that clock must be a `SystemMonotonicClock`.
     ///
     /// Waiting stays per process: a shard that is short of tokens sleeps for the time the
     /// shared rovers say its reservation needs (`duration_for` of its deficiency) and polls
