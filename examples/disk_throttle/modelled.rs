@@ -1,6 +1,21 @@
 //! The modelled-disk demo (`--modelled`): shares between two classes on a modelled disk.
 
-use super::*;
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use iothrottle::dispatcher::{
+    ClassConfig, DiskModel, Dispatcher, DispatcherBuilder, Figures, IoRequest,
+};
+
+use crate::args::{Args, MAX_BG_KIB};
+use crate::checks::check_plot_path;
+use crate::direct::Rng;
+use crate::report::fmt_d;
+use crate::{BoxError, READ_BYTES};
 
 const DATA_FILE_BYTES: u64 = 64 << 20;
 const COMPACTION_FILE_BYTES: u64 = 256 << 20;
