@@ -6,6 +6,8 @@
 //! One file over the usual size: every test here drives the same public surface, grouped by
 //! section (submit, shutdown, shares, tasks on the shards, dispatch from the caller's thread).
 
+mod common;
+
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -15,17 +17,7 @@ use iothrottle::dispatcher::{
 };
 use iothrottle::{BuildError, DispatchError, JoinError, Rate, SpawnError, SubmitError};
 
-/// A fast NVMe drive, stated explicitly (there is no default disk).
-const NVME: DiskModel = DiskModel::new(
-    Figures {
-        iops: 400_000,
-        bandwidth: 2_000_000_000,
-    },
-    Figures {
-        iops: 100_000,
-        bandwidth: 1_000_000_000,
-    },
-);
+use common::disk::NVME;
 
 fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()

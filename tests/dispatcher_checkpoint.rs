@@ -4,6 +4,8 @@
 //! exactly. The shards run in real time; the tests wait for states
 //! (a held save, a grab past the mark), never for durations.
 
+mod common;
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -11,22 +13,13 @@ use std::time::Duration;
 use iothrottle::checkpoint::{
     Checkpoint, CheckpointConfig, CheckpointedBucket, Checkpointer, Durability, Snapshot,
 };
-use iothrottle::dispatcher::{ClassConfig, DiskModel, Dispatcher, Figures, IoRequest};
+use iothrottle::dispatcher::{ClassConfig, Dispatcher, IoRequest};
 use iothrottle::{
     BucketConfig, Capped, CheckpointError, Clock, ManualClock, Rate, SharedTokenBucket, Uncapped,
 };
 use tokio::sync::watch;
 
-const NVME: DiskModel = DiskModel::new(
-    Figures {
-        iops: 400_000,
-        bandwidth: 2_000_000_000,
-    },
-    Figures {
-        iops: 100_000,
-        bandwidth: 1_000_000_000,
-    },
-);
+use common::disk::NVME;
 
 /// A store in memory whose saves can be held (they wait, as a stalled disk would).
 #[derive(Clone)]
