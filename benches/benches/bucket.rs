@@ -24,8 +24,8 @@
 use std::hint::black_box;
 use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Barrier};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion};
 use crossbeam_utils::CachePadded;
@@ -34,6 +34,8 @@ use iothrottle::{
     BucketConfig, BucketState, Clock, FastClock, ManualClock, MonotonicClock, Rate,
     SharedTokenBucket, Uncapped,
 };
+
+use crate::threads::two_threads;
 
 /// Replenish (or add permits back) once every this many ops, as Seastar's I/O queue roughly does.
 const REPLENISH_EVERY: u64 = 64;
@@ -122,42 +124,6 @@ fn replica_op<R: Rovers>(r: &R, i: u64) -> u64 {
     }
     let head = r.head().load(Ordering::Acquire);
     (tail.wrapping_sub(head) as i64).max(0) as u64
-}
-
-/// Runs `op(shared, i)` for `iters` iterations on each of two threads (pinned to distinct cores
-/// where possible) after a common start; returns the slower thread's time, i.e. per-op time of
-/// one thread when divided by `iters`.
-fn two_threads<S, F>(shared: &Arc<S>, iters: u64, op: F) -> Duration
-where
-    S: Send + Sync + 'static,
-    F: Fn(&S, u64) + Send + Sync + Copy + 'static,
-{
-    let cores = core_affinity::get_core_ids().unwrap_or_default();
-    let barrier = Arc::new(Barrier::new(2));
-    let handles: Vec<_> = (0..2)
-        .map(|t| {
-            let shared = Arc::clone(shared);
-            let barrier = Arc::clone(&barrier);
-            let core = (cores.len() >= 2).then(|| cores[t]);
-            std::thread::spawn(move || {
-                if let Some(core) = core {
-                    // Pinning is best-effort: unpinned threads still measure contention.
-                    let _ = core_affinity::set_for_current(core);
-                }
-                barrier.wait();
-                let start = Instant::now();
-                for i in 0..iters {
-                    op(&shared, i);
-                }
-                start.elapsed()
-            })
-        })
-        .collect();
-    handles
-        .into_iter()
-        .map(|h| h.join().expect("bench thread panicked"))
-        .max()
-        .unwrap_or_default()
 }
 
 fn iothrottle_op<C: Clock>(b: &SharedTokenBucket<Uncapped, C>, i: u64) {
@@ -259,7 +225,16 @@ fn two<S: Send + Sync + 'static>(
 ) {
     let s = Arc::new(s);
     c.bench_function(BenchmarkId::new(name, "2t"), |b| {
-        b.iter_custom(|iters| two_threads(&s, iters, op))
+        b.iter_custom(|iters| {
+            two_threads(true, |_| {
+                let s = Arc::clone(&s);
+                move || {
+                    for i in 0..iters {
+                        op(&s, i);
+                    }
+                }
+            })
+        })
     });
 }
 

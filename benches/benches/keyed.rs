@@ -17,13 +17,14 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::hint::black_box;
 use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicBool, AtomicIsize, Ordering};
-use std::sync::{Arc, Barrier};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
 
 use criterion::{BenchmarkId, Criterion};
 
 use iothrottle::keyed::KeyedThrottle;
 use iothrottle::{BucketConfig, Rate};
+
+use crate::threads::two_threads;
 
 /// Counts live heap bytes while `COUNTING` is set.
 struct Counting;
@@ -104,43 +105,6 @@ fn next_key(state: &mut u64, n: u64) -> u64 {
     ((*state as u128 * n as u128) >> 64) as u64
 }
 
-/// `iters` checks on each of two threads (pinned where possible) after a common start; the
-/// slower thread's time.
-fn two_threads<L: Send + Sync + 'static>(
-    limiter: &Arc<L>,
-    keys: u64,
-    iters: u64,
-    op: fn(&L, u64),
-) -> Duration {
-    let cores = core_affinity::get_core_ids().unwrap_or_default();
-    let barrier = Arc::new(Barrier::new(2));
-    let handles: Vec<_> = (0..2u64)
-        .map(|t| {
-            let limiter = Arc::clone(limiter);
-            let barrier = Arc::clone(&barrier);
-            let core = (cores.len() >= 2).then(|| cores[t as usize]);
-            std::thread::spawn(move || {
-                if let Some(core) = core {
-                    // Best-effort: unpinned threads still measure the sharing.
-                    let _ = core_affinity::set_for_current(core);
-                }
-                let mut state = 0x9E37_79B9_7F4A_7C15 ^ (t + 1);
-                barrier.wait();
-                let start = Instant::now();
-                for _ in 0..iters {
-                    op(&limiter, next_key(&mut state, keys));
-                }
-                start.elapsed()
-            })
-        })
-        .collect();
-    handles
-        .into_iter()
-        .map(|h| h.join().expect("bench thread panicked"))
-        .max()
-        .unwrap_or_default()
-}
-
 fn ours_op(k: &KeyedThrottle<u64>, key: u64) {
     let _ = black_box(k.check(&key, 1));
 }
@@ -163,7 +127,17 @@ fn case<L: Send + Sync + 'static>(
         b.iter(|| op(&limiter, next_key(&mut state, keys)))
     });
     g.bench_function(BenchmarkId::new(format!("{name}_2t"), keys), |b| {
-        b.iter_custom(|iters| two_threads(&limiter, keys, iters, op))
+        b.iter_custom(|iters| {
+            two_threads(true, |t| {
+                let limiter = Arc::clone(&limiter);
+                let mut state = 0x9E37_79B9_7F4A_7C15 ^ (t as u64 + 1);
+                move || {
+                    for _ in 0..iters {
+                        op(&limiter, next_key(&mut state, keys));
+                    }
+                }
+            })
+        })
     });
 }
 

@@ -10,6 +10,7 @@ mod keyed;
 mod pg;
 #[cfg(feature = "shm")]
 mod shm;
+mod threads;
 mod throttle;
 
 // `criterion_main!` spelled out, so that the second process of the `shm` group's `2p` cases

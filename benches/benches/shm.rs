@@ -25,6 +25,8 @@ use iothrottle::{
     Uncapped,
 };
 
+use crate::threads::two_threads;
+
 const REPLENISH_EVERY: u64 = 64;
 
 fn cfg() -> BucketConfig {
@@ -101,31 +103,6 @@ fn two_processes(b: &SharedMemoryBucket, path: &Path, iters: u64) -> Duration {
     mine.max(Duration::from_nanos(theirs))
 }
 
-fn two_threads<C: Clock + 'static>(
-    b: &Arc<SharedTokenBucket<Uncapped, C>>,
-    iters: u64,
-) -> Duration {
-    let barrier = Arc::new(std::sync::Barrier::new(2));
-    let handles: Vec<_> = (0..2)
-        .map(|_| {
-            let (b, barrier) = (Arc::clone(b), Arc::clone(&barrier));
-            std::thread::spawn(move || {
-                barrier.wait();
-                let t = std::time::Instant::now();
-                for i in 0..iters {
-                    op(&b, i);
-                }
-                t.elapsed()
-            })
-        })
-        .collect();
-    handles
-        .into_iter()
-        .map(|h| h.join().unwrap())
-        .max()
-        .unwrap()
-}
-
 fn bucket_file() -> (Option<tempfile::TempDir>, PathBuf) {
     let shm = Path::new("/dev/shm");
     let dir = if shm.is_dir() {
@@ -160,10 +137,28 @@ pub fn shm(c: &mut Criterion) {
         })
     });
     g.bench_function(BenchmarkId::new("local_grab_deficiency", "2t"), |b| {
-        b.iter_custom(|iters| two_threads(&local, iters))
+        b.iter_custom(|iters| {
+            two_threads(false, |_| {
+                let b = Arc::clone(&local);
+                move || {
+                    for i in 0..iters {
+                        op(&b, i);
+                    }
+                }
+            })
+        })
     });
     g.bench_function(BenchmarkId::new("shm_grab_deficiency", "2t"), |b| {
-        b.iter_custom(|iters| two_threads(&mapped, iters))
+        b.iter_custom(|iters| {
+            two_threads(false, |_| {
+                let b = Arc::clone(&mapped);
+                move || {
+                    for i in 0..iters {
+                        op(&b, i);
+                    }
+                }
+            })
+        })
     });
     g.bench_function(BenchmarkId::new("shm_grab_deficiency", "2p"), |b| {
         b.iter_custom(|iters| two_processes(&mapped, &path, iters))
