@@ -63,6 +63,9 @@ static ALLOC: Counting = Counting;
 #[path = "../tests/common/pg_reference.rs"]
 mod pg_reference;
 
+#[path = "common/pg_contenders.rs"]
+mod contenders;
+
 use clap::{Parser, ValueEnum};
 use iothrottle::pg::{
     Isolation, LeaseOptions, PgKeyedLimiter, PgLeasedLimiter, PgOptions, RetryPolicy, Schema,
@@ -674,14 +677,7 @@ fn median(v: &mut [f64]) -> f64 {
 /// (so neither always runs first after a pause or always follows the other's WAL); the
 /// summary gives the median calls per second and the median of the per-round ratios.
 async fn run_compare(url: &str, args: &Args, run: &str) {
-    let setup = PgKeyedLimiter::connect(url, options(args))
-        .await
-        .expect("connect");
-    setup.install().await.expect("install");
-    setup
-        .install_classic_function()
-        .await
-        .expect("install the classic function");
+    contenders::install_both(url, options(args)).await;
     let schema = Schema::new(&args.schema).expect("schema name");
     let sql = schema.sql("SELECT {s}.rate_limiting_request($1, $2, $3)");
     let watch = connect(url, args).await;
@@ -698,19 +694,16 @@ async fn run_compare(url: &str, args: &Args, run: &str) {
                 .expect("pid")
                 .get(0),
         );
-        let st = c.prepare(&sql).await.expect("prepare");
+        let (c, l) = contenders::worker(url, c, &sql, options(args)).await;
         let warm = format!("{run}-warm-classic-{w}");
-        c.query_one(&st, &[&warm, &args.refill, &args.window])
+        c.0.query_one(&c.1, &[&warm, &args.refill, &args.window])
             .await
             .expect("warm-up call");
-        classic.push(Arc::new((c, st)));
-        let l = PgKeyedLimiter::connect(url, options(args).with_connections(1))
-            .await
-            .expect("connect");
         l.request(&format!("{run}-warm-strict-{w}"), args.refill, args.window)
             .await
             .expect("warm-up call");
-        strict.push(Arc::new(l));
+        classic.push(c);
+        strict.push(l);
     }
     pids[1] = limiter_pids(&watch)
         .await

@@ -25,6 +25,10 @@
 #[allow(dead_code, unreachable_pub)]
 #[path = "../../tests/common/pg.rs"]
 mod cluster;
+#[cfg(feature = "postgres")]
+#[allow(unreachable_pub)]
+#[path = "../common/pg_contenders.rs"]
+mod contenders;
 
 use criterion::Criterion;
 
@@ -48,14 +52,7 @@ pub fn pg(c: &mut Criterion) {
         .expect("runtime");
     let url = pg.connection_string();
     let (classic, strict, shared) = rt.block_on(async {
-        let setup = PgKeyedLimiter::connect(&url, PgOptions::new())
-            .await
-            .expect("connect");
-        setup.install().await.expect("install");
-        setup
-            .install_classic_function()
-            .await
-            .expect("install the classic function");
+        contenders::install_both(&url, PgOptions::new()).await;
         let mut classic = Vec::new();
         let mut strict = Vec::new();
         for _ in 0..TASKS {
@@ -63,16 +60,15 @@ pub fn pg(c: &mut Criterion) {
                 .await
                 .expect("connect");
             tokio::spawn(conn);
-            let st = client
-                .prepare("SELECT iothrottle.rate_limiting_request($1, $2, $3)")
-                .await
-                .expect("prepare");
-            classic.push(Arc::new((client, st)));
-            strict.push(Arc::new(
-                PgKeyedLimiter::connect(&url, PgOptions::new().with_connections(1))
-                    .await
-                    .expect("connect"),
-            ));
+            let (c, l) = contenders::worker(
+                &url,
+                client,
+                "SELECT iothrottle.rate_limiting_request($1, $2, $3)",
+                PgOptions::new(),
+            )
+            .await;
+            classic.push(c);
+            strict.push(l);
         }
         let shared = Arc::new(
             PgKeyedLimiter::connect(&url, PgOptions::new().with_connections(TASKS))
