@@ -11,6 +11,7 @@ mod common;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use common::pg::{cluster_or_skip, PgCluster};
+use common::pg_children::granted_by_children;
 use iothrottle::pg::{LeaseOptions, PgKeyedLimiter, PgLeasedLimiter, PgOptions};
 use iothrottle::{ManualClock, PgLimitError};
 
@@ -463,53 +464,9 @@ async fn bound_holds_across_spawned_processes() {
         return;
     };
     const K: u64 = 4;
-    let setup = PgKeyedLimiter::connect(&pg.connection_string(), PgOptions::new())
-        .await
-        .unwrap();
-    setup.install().await.unwrap();
-    let (c, conn) = tokio_postgres::connect(&pg.connection_string(), tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
-    let clock_sql = "SELECT clock_timestamp()";
-    let start: SystemTime = c.query_one(clock_sql, &[]).await.unwrap().get(0);
-    let exe = std::env::current_exe().unwrap();
-    let children: Vec<_> = (0..K)
-        .map(|_| {
-            std::process::Command::new(&exe)
-                .args([
-                    "leased_child_process",
-                    "--exact",
-                    "--ignored",
-                    "--nocapture",
-                ])
-                .env(
-                    "IOTHROTTLE_LEASE_CHILD",
-                    format!("{}|spawned|1500", pg.connection_string()),
-                )
-                .stdout(std::process::Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    let mut total = 0u64;
-    for child in children {
-        let out = child.wait_with_output().unwrap();
-        assert!(out.status.success());
-        let text = String::from_utf8_lossy(&out.stdout);
-        let line = text
-            .lines()
-            .find(|l| l.starts_with("GRANTED="))
-            .unwrap_or_else(|| panic!("child output: {text}"));
-        total += line["GRANTED=".len()..]
-            .split(' ')
-            .next()
-            .unwrap()
-            .parse::<u64>()
-            .unwrap();
-    }
-    let end: SystemTime = c.query_one(clock_sql, &[]).await.unwrap().get(0);
-    let w = end.duration_since(start).unwrap();
+    let spec = format!("{}|spawned|1500", pg.connection_string());
+    let env = ("IOTHROTTLE_LEASE_CHILD", spec.as_str());
+    let (total, w) = granted_by_children(&pg, "leased_child_process", env, K).await;
     let opts = child_options();
     let bound = opts.bound(K, w);
     eprintln!("{K} processes granted {total} in {w:?}; bound {bound}");

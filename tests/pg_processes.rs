@@ -9,9 +9,10 @@
 
 mod common;
 
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use common::pg::cluster_or_skip;
+use common::pg_children::granted_by_children;
 use iothrottle::pg::{LeaseOptions, PgKeyedLimiter, PgLeasedLimiter, PgOptions};
 
 const STRICT_RATE: i32 = 20;
@@ -64,45 +65,9 @@ async fn process_child() {
 /// server's clock).
 async fn n_processes(mode: &str, n: u64) -> Option<(u64, Duration)> {
     let pg = cluster_or_skip(&format!("{mode}_bound_holds_across_{n}_processes"))?;
-    let setup = PgKeyedLimiter::connect(&pg.connection_string(), PgOptions::new())
-        .await
-        .unwrap();
-    setup.install().await.unwrap();
-    let (c, conn) = tokio_postgres::connect(&pg.connection_string(), tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
-    let clock = "SELECT clock_timestamp()";
-    let start: SystemTime = c.query_one(clock, &[]).await.unwrap().get(0);
-    let exe = std::env::current_exe().unwrap();
-    let children: Vec<_> = (0..n)
-        .map(|_| {
-            std::process::Command::new(&exe)
-                .args(["process_child", "--exact", "--ignored", "--nocapture"])
-                .env(
-                    "IOTHROTTLE_PROCESS_CHILD",
-                    format!("{mode}|{}|shared|1000", pg.connection_string()),
-                )
-                .stdout(std::process::Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    let mut total = 0u64;
-    for child in children {
-        let out = child.wait_with_output().unwrap();
-        assert!(out.status.success());
-        let text = String::from_utf8_lossy(&out.stdout);
-        total += text
-            .lines()
-            .find_map(|l| l.strip_prefix("GRANTED="))
-            .unwrap_or_else(|| panic!("child output: {text}"))
-            .trim()
-            .parse::<u64>()
-            .unwrap();
-    }
-    let end: SystemTime = c.query_one(clock, &[]).await.unwrap().get(0);
-    Some((total, end.duration_since(start).unwrap()))
+    let spec = format!("{mode}|{}|shared|1000", pg.connection_string());
+    let env = ("IOTHROTTLE_PROCESS_CHILD", spec.as_str());
+    Some(granted_by_children(&pg, "process_child", env, n).await)
 }
 
 async fn strict(n: u64) {

@@ -4,4 +4,6 @@
 pub mod disk;
 pub mod pg;
 #[cfg(feature = "postgres")]
+pub mod pg_children;
+#[cfg(feature = "postgres")]
 pub mod pg_reference;
