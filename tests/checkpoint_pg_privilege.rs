@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::pg::{cluster_or_skip, cluster_with_settings_or_skip, PgCluster};
+use common::pg_session::client as admin;
 use iothrottle::checkpoint::{
     Checkpoint, CheckpointConfig, CheckpointedBucket, Checkpointer, Durability, PgCheckpoint,
     Snapshot,
@@ -24,14 +25,6 @@ fn snapshot_after(used: u64) -> Snapshot {
     b.replenish();
     b.grab(used);
     Snapshot::of(&b, Some(used + 7))
-}
-
-async fn admin(pg: &PgCluster) -> tokio_postgres::Client {
-    let (c, conn) = tokio_postgres::connect(&pg.connection_string(), tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
-    c
 }
 
 /// The role of the docs (`docs/postgres.md`, "Least-privilege roles"): LOGIN, no CREATE anywhere,

@@ -5,47 +5,12 @@
 mod common;
 
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, UNIX_EPOCH};
 
-use common::pg::{cluster_or_skip, error_chain, PgCluster};
+use common::pg::{cluster_or_skip, error_chain};
+use common::pg_session::{client, no_backend_waiting, t0, waiting_backend};
 use iothrottle::pg::{PgKeyedLimiter, PgOptions, PgWindowLimiter, Zone};
 use iothrottle::PgLimitError;
-use tokio_postgres::NoTls;
-
-fn t0() -> SystemTime {
-    UNIX_EPOCH + Duration::from_secs(1_900_000_000)
-}
-
-async fn client(pg: &PgCluster) -> tokio_postgres::Client {
-    let (c, conn) = tokio_postgres::connect(&pg.connection_string(), NoTls)
-        .await
-        .expect("connect");
-    tokio::spawn(conn);
-    c
-}
-
-/// The pid of the limiter's session once it waits for a lock.
-async fn waiting_backend(c: &tokio_postgres::Client) -> i32 {
-    loop {
-        // Inside the blocker's transaction the activity view is a snapshot taken once per
-        // transaction: drop it, or a first look taken too early is seen forever.
-        c.execute("SELECT pg_stat_clear_snapshot()", &[])
-            .await
-            .unwrap();
-        let row = c
-            .query_opt(
-                "SELECT pid FROM pg_stat_activity WHERE application_name = 'iothrottle' \
-                 AND wait_event_type = 'Lock'",
-                &[],
-            )
-            .await
-            .unwrap();
-        if let Some(r) = row {
-            return r.get(0);
-        }
-        tokio::task::yield_now().await;
-    }
-}
 
 #[tokio::test]
 async fn terminated_backend_error_shows_sqlstate_and_server_message() {
@@ -386,25 +351,7 @@ async fn a_stuck_call_times_out_and_the_next_one_reconnects() {
         "{err:?}"
     );
     // The limiter asked the server to cancel the stuck statement: it stops waiting.
-    loop {
-        blocker
-            .execute("SELECT pg_stat_clear_snapshot()", &[])
-            .await
-            .unwrap();
-        let waiting: i64 = blocker
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'iothrottle' \
-                 AND wait_event_type = 'Lock'",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        if waiting == 0 {
-            break;
-        }
-        tokio::task::yield_now().await;
-    }
+    no_backend_waiting(&blocker).await;
     blocker.batch_execute("ROLLBACK").await.unwrap();
     // The cancelled statement took nothing; the next call runs on a new session.
     assert_eq!(l.request_n_at("k", 1, 100, 1, t0()).await.unwrap(), 98);

@@ -4,17 +4,12 @@
 
 mod common;
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use common::pg::{cluster_or_skip, cluster_with_settings_or_skip, PgCluster};
+use common::pg_session::{client, t0, waiting_backend};
 use iothrottle::pg::{Isolation, PgKeyedLimiter, PgOptions, RetryPolicy, MAX_KEY_BYTES};
 use iothrottle::PgLimitError;
-use tokio_postgres::NoTls;
-
-/// A fixed instant for tests that pass the time explicitly.
-fn t0() -> SystemTime {
-    UNIX_EPOCH + Duration::from_secs(1_900_000_000)
-}
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
@@ -26,14 +21,6 @@ async fn limiter(pg: &PgCluster, opts: PgOptions) -> PgKeyedLimiter {
         .expect("connect");
     l.install().await.expect("install");
     l
-}
-
-async fn client(pg: &PgCluster) -> tokio_postgres::Client {
-    let (c, conn) = tokio_postgres::connect(&pg.connection_string(), NoTls)
-        .await
-        .expect("connect");
-    tokio::spawn(conn);
-    c
 }
 
 #[tokio::test]
@@ -377,29 +364,6 @@ async fn hold_row_lock(pg: &PgCluster, id: &str) -> tokio_postgres::Client {
     .await
     .unwrap();
     c
-}
-
-/// Waits until a session of the limiter waits for a lock; returns its pid.
-async fn waiting_backend(c: &tokio_postgres::Client) -> i32 {
-    loop {
-        // Inside the blocker's transaction the activity view is a snapshot taken once per
-        // transaction: drop it, or a first look taken too early is seen forever.
-        c.execute("SELECT pg_stat_clear_snapshot()", &[])
-            .await
-            .unwrap();
-        let row = c
-            .query_opt(
-                "SELECT pid FROM pg_stat_activity WHERE application_name = 'iothrottle' \
-                 AND wait_event_type = 'Lock'",
-                &[],
-            )
-            .await
-            .unwrap();
-        if let Some(r) = row {
-            return r.get(0);
-        }
-        tokio::task::yield_now().await;
-    }
 }
 
 #[tokio::test]

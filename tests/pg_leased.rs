@@ -8,16 +8,13 @@
 
 mod common;
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime};
 
 use common::pg::{cluster_or_skip, PgCluster};
 use common::pg_children::granted_by_children;
+use common::pg_session::t0;
 use iothrottle::pg::{LeaseOptions, PgKeyedLimiter, PgLeasedLimiter, PgOptions};
 use iothrottle::{ManualClock, PgLimitError};
-
-fn t0() -> SystemTime {
-    UNIX_EPOCH + Duration::from_secs(1_900_000_000)
-}
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)

@@ -5,17 +5,14 @@
 
 mod common;
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use common::pg::{cluster_or_skip, PgCluster};
+use common::pg_session::t0;
 use deadpool_postgres::{Manager, Pool};
 use iothrottle::pg::{PgKeyedLimiter, PgOptions, PgWindowLimiter, Zone};
 use iothrottle::PgLimitError;
 use tokio_postgres::NoTls;
-
-fn t0() -> SystemTime {
-    UNIX_EPOCH + Duration::from_secs(1_900_000_000)
-}
 
 fn pool(pg: &PgCluster, max: usize) -> Pool {
     let config: tokio_postgres::Config = pg.connection_string().parse().unwrap();

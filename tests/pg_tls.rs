@@ -9,11 +9,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::pg::{cluster_or_skip, cluster_with_files_or_skip, error_chain, PgCluster};
+// A plaintext administrator session (the cluster accepts both).
+use common::pg_session::{client as admin, no_backend_waiting};
 use iothrottle::checkpoint::{Checkpoint, PgCheckpoint, Snapshot};
 use iothrottle::pg::{PgKeyedLimiter, PgOptions, PgWindowLimiter};
 use iothrottle::{BucketConfig, CheckpointError, PgLimitError, Rate, SharedTokenBucket};
 use rustls::{ClientConfig, RootCertStore};
-use tokio_postgres::NoTls;
 
 /// A self-signed certificate for `127.0.0.1` and `localhost`, whose subject is `CN=cn`:
 /// (certificate DER, PEM, key PEM).
@@ -68,15 +69,6 @@ fn tls_cluster_for(test: &str, sans: &[&str]) -> Option<(PgCluster, Vec<u8>)> {
         ],
     )?;
     Some((pg, der))
-}
-
-/// A plaintext administrator session (the cluster accepts both).
-async fn admin(pg: &PgCluster) -> tokio_postgres::Client {
-    let (c, conn) = tokio_postgres::connect(&pg.connection_string(), NoTls)
-        .await
-        .expect("connect");
-    tokio::spawn(conn);
-    c
 }
 
 /// `(sessions, encrypted sessions)` of `application_name = app`, seen from another session.
@@ -309,28 +301,8 @@ async fn a_stuck_call_over_tls_is_cancelled_over_tls() {
     // The cancel request goes over TLS too (the session requires it): the stuck statement
     // stops waiting on the row lock while the blocker still holds it. (Bounded so that a
     // cancel that never arrives fails the test instead of hanging it.)
-    let cancelled = tokio::time::timeout(Duration::from_secs(60), async {
-        loop {
-            blocker
-                .execute("SELECT pg_stat_clear_snapshot()", &[])
-                .await
-                .unwrap();
-            let waiting: i64 = blocker
-                .query_one(
-                    "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'iothrottle' \
-                     AND wait_event_type = 'Lock'",
-                    &[],
-                )
-                .await
-                .unwrap()
-                .get(0);
-            if waiting == 0 {
-                break;
-            }
-            tokio::task::yield_now().await;
-        }
-    })
-    .await;
+    let cancelled =
+        tokio::time::timeout(Duration::from_secs(60), no_backend_waiting(&blocker)).await;
     assert!(cancelled.is_ok(), "the stuck statement was never cancelled");
     blocker.batch_execute("ROLLBACK").await.unwrap();
     // The next call reconnects, over TLS.

@@ -2,16 +2,13 @@
 
 mod common;
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use common::pg::{cluster_or_skip, PgCluster};
+use common::pg_session::t0;
 use iothrottle::pg::{PgOptions, PgWindowLimiter, Zone};
 use iothrottle::PgLimitError;
 use tokio_postgres::NoTls;
-
-fn t0() -> SystemTime {
-    UNIX_EPOCH + Duration::from_secs(1_900_000_000)
-}
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)

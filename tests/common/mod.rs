@@ -7,3 +7,5 @@ pub mod pg;
 pub mod pg_children;
 #[cfg(feature = "postgres")]
 pub mod pg_reference;
+#[cfg(feature = "postgres")]
+pub mod pg_session;
