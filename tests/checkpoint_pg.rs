@@ -7,24 +7,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::pg::cluster_or_skip;
+use common::snapshot::{cfg, snapshot_after};
 use iothrottle::checkpoint::{
     Checkpoint, CheckpointConfig, CheckpointedBucket, Checkpointer, Durability, PgCheckpoint,
-    RestoreOutcome, Snapshot,
+    RestoreOutcome,
 };
-use iothrottle::{
-    BucketConfig, CheckpointError, MonotonicClock, Rate, SharedTokenBucket, Uncapped,
-};
-
-fn cfg() -> BucketConfig {
-    BucketConfig::new(Rate::per_second(1_000), 500)
-}
-
-fn snapshot_after(used: u64) -> Snapshot {
-    let b: SharedTokenBucket = SharedTokenBucket::new(cfg()).unwrap();
-    b.replenish();
-    b.grab(used);
-    Snapshot::of(&b, Some(used + 7))
-}
+use iothrottle::{CheckpointError, MonotonicClock, SharedTokenBucket, Uncapped};
 
 #[tokio::test]
 async fn one_row_per_bucket_one_upsert_per_save() {

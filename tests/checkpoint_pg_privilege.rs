@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use common::pg::{cluster_or_skip, cluster_with_settings_or_skip, PgCluster};
 use common::pg_session::client as admin;
+use common::snapshot::{cfg, snapshot_after};
 use iothrottle::checkpoint::{
     Checkpoint, CheckpointConfig, CheckpointedBucket, Checkpointer, Durability, PgCheckpoint,
     Snapshot,
@@ -15,17 +16,6 @@ use iothrottle::checkpoint::{
 use iothrottle::{
     BucketConfig, CheckpointError, MonotonicClock, Rate, SharedTokenBucket, Uncapped,
 };
-
-fn cfg() -> BucketConfig {
-    BucketConfig::new(Rate::per_second(1_000), 500)
-}
-
-fn snapshot_after(used: u64) -> Snapshot {
-    let b: SharedTokenBucket = SharedTokenBucket::new(cfg()).unwrap();
-    b.replenish();
-    b.grab(used);
-    Snapshot::of(&b, Some(used + 7))
-}
 
 /// The role of the docs (`docs/postgres.md`, "Least-privilege roles"): LOGIN, no CREATE anywhere,
 /// USAGE on the schema and SELECT, INSERT, UPDATE on the table. Returns its connection string.

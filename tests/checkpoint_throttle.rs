@@ -4,11 +4,13 @@
 //! typed error, and a grab past the durable mark sleeps until the mark is saved. Under tokio's
 //! paused time with an in-memory store that the test can stall.
 
+mod common;
+
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
+use std::task::Context;
 use std::time::Duration;
 
 use iothrottle::checkpoint::{
@@ -18,6 +20,8 @@ use iothrottle::{
     AcquireError, BucketConfig, Capped, CheckpointError, Mode, Rate, SharedTokenBucket, Throttle,
     TokioClock, Uncapped,
 };
+
+use common::polls::count_polls;
 
 /// A store in memory whose saves can be stalled (they wait until un-stalled).
 #[derive(Clone, Default)]
@@ -54,32 +58,6 @@ impl Checkpoint for Mem {
     async fn load(&self) -> Result<Option<Snapshot>, CheckpointError> {
         Ok(*self.0.snap.lock().unwrap())
     }
-}
-
-/// Counts how often the inner future is polled.
-struct CountPolls<F> {
-    inner: Pin<Box<F>>,
-    polls: Arc<AtomicU64>,
-}
-
-impl<F: Future> Future for CountPolls<F> {
-    type Output = F::Output;
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
-        self.polls.fetch_add(1, Ordering::Relaxed);
-        self.inner.as_mut().poll(cx)
-    }
-}
-
-fn count_polls<F: Future>(f: F) -> (CountPolls<F>, Arc<AtomicU64>) {
-    let polls = Arc::new(AtomicU64::new(0));
-    let inner = Box::pin(f);
-    (
-        CountPolls {
-            inner,
-            polls: polls.clone(),
-        },
-        polls,
-    )
 }
 
 fn checkpointed<M: Mode>(

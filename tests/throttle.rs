@@ -2,11 +2,10 @@
 //! Integration tests of `Throttle`, on tokio's paused time (`TokioClock`) or a `ManualClock`:
 //! no test sleeps in real time, every duration below is virtual and exact.
 
-use std::future::Future;
-use std::pin::Pin;
+mod common;
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use iothrottle::throttle::{Permit, Throttle};
@@ -16,6 +15,8 @@ use iothrottle::{
 };
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
+
+use common::polls::count_polls;
 
 const MS: Duration = Duration::from_millis(1);
 
@@ -51,31 +52,6 @@ async fn spawn_acquire<M: Mode>(
         tokio::task::yield_now().await;
     }
     handle
-}
-
-/// Counts how often the inner future is polled.
-struct CountPolls<F> {
-    inner: Pin<Box<F>>,
-    polls: Arc<AtomicU64>,
-}
-
-impl<F: Future> Future for CountPolls<F> {
-    type Output = F::Output;
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
-        self.polls.fetch_add(1, Ordering::Relaxed);
-        self.inner.as_mut().poll(cx)
-    }
-}
-
-fn count_polls<F: Future>(f: F) -> (CountPolls<F>, Arc<AtomicU64>) {
-    let polls = Arc::new(AtomicU64::new(0));
-    (
-        CountPolls {
-            inner: Box::pin(f),
-            polls: polls.clone(),
-        },
-        polls,
-    )
 }
 
 #[tokio::test(start_paused = true)]

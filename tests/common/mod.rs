@@ -9,3 +9,6 @@ pub mod pg_children;
 pub mod pg_reference;
 #[cfg(feature = "postgres")]
 pub mod pg_session;
+pub mod polls;
+#[cfg(feature = "rt")]
+pub mod snapshot;
