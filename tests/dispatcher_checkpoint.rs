@@ -13,7 +13,7 @@ use std::time::Duration;
 use iothrottle::checkpoint::{
     Checkpoint, CheckpointConfig, CheckpointedBucket, Checkpointer, Durability, Snapshot,
 };
-use iothrottle::dispatcher::{ClassConfig, Dispatcher, IoRequest};
+use iothrottle::dispatcher::{ClassConfig, ClassId, Dispatcher, IoHandle, IoRequest};
 use iothrottle::{
     BucketConfig, Capped, CheckpointError, Clock, ManualClock, Rate, SharedTokenBucket, Uncapped,
 };
@@ -97,6 +97,47 @@ fn never() -> CheckpointConfig {
     CheckpointConfig::default().with_interval(Duration::from_secs(3600))
 }
 
+/// A strict bucket (a reservation of 100 tokens at a time) whose store is held after its
+/// first save, under a dispatcher with 40 requests of 10 tokens submitted: run until one grab
+/// went past the durable mark and a save of it is pending.
+struct Stalled {
+    cb: Arc<CheckpointedBucket<Uncapped, Arc<dyn Clock>>>,
+    /// The bucket's tokens before any request.
+    tokens0: i64,
+    store: Held,
+    cp: Checkpointer<Held, Uncapped, Arc<dyn Clock>>,
+    d: Dispatcher,
+    c: ClassId,
+    handles: Vec<IoHandle<()>>,
+}
+
+impl Stalled {
+    async fn start() -> Self {
+        let cb =
+            Arc::new(CheckpointedBucket::new(full::<Uncapped>(), Durability::strict(100)).unwrap());
+        let tokens0 = cb.bucket().snapshot().tokens();
+        let store = Held::new();
+        let cp = Checkpointer::start(cb.clone(), store.clone(), never()).unwrap();
+        cp.save_now().await.unwrap();
+        store.hold(true);
+        let d = dispatcher(&cb);
+        let c = d.class_id("c").unwrap();
+        let handles: Vec<_> = (0..40)
+            .map(|_| d.submit(c, IoRequest::tokens(10), async {}).unwrap())
+            .collect();
+        until(|| cb.stats().grabs_past_mark >= 1 && store.pending() >= 1).await;
+        Stalled {
+            cb,
+            tokens0,
+            store,
+            cp,
+            d,
+            c,
+            handles,
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dispatcher_strict_checkpoint_grants_only_up_to_the_durable_mark() {
     let cb =
@@ -154,20 +195,15 @@ async fn dispatcher_strict_checkpoint_grants_only_up_to_the_durable_mark() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dispatcher_strict_checkpoint_cancelled_requests_give_their_tokens_back() {
-    let cb =
-        Arc::new(CheckpointedBucket::new(full::<Uncapped>(), Durability::strict(100)).unwrap());
-    let tokens0 = cb.bucket().snapshot().tokens();
-    let store = Held::new();
-    let cp = Checkpointer::start(cb.clone(), store.clone(), never()).unwrap();
-    cp.save_now().await.unwrap();
-    store.hold(true);
-
-    let d = dispatcher(&cb);
-    let c = d.class_id("c").unwrap();
-    let handles: Vec<_> = (0..40)
-        .map(|_| d.submit(c, IoRequest::tokens(10), async {}).unwrap())
-        .collect();
-    until(|| cb.stats().grabs_past_mark >= 1 && store.pending() >= 1).await;
+    let Stalled {
+        cb,
+        tokens0,
+        store,
+        cp,
+        d,
+        c,
+        handles,
+    } = Stalled::start().await;
     // Give up on every request: those reserved past the mark and those still queued.
     drop(handles);
     store.hold(false);
@@ -234,19 +270,15 @@ async fn dispatcher_checkpoint_restart_restores_the_rovers_without_a_free_burst(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dispatcher_strict_checkpoint_shutdown_now_does_not_wait_for_a_stalled_store() {
-    let cb =
-        Arc::new(CheckpointedBucket::new(full::<Uncapped>(), Durability::strict(100)).unwrap());
-    let tokens0 = cb.bucket().snapshot().tokens();
-    let store = Held::new();
-    let cp = Checkpointer::start(cb.clone(), store.clone(), never()).unwrap();
-    cp.save_now().await.unwrap();
-    store.hold(true);
-    let d = dispatcher(&cb);
-    let c = d.class_id("c").unwrap();
-    let handles: Vec<_> = (0..40)
-        .map(|_| d.submit(c, IoRequest::tokens(10), async {}).unwrap())
-        .collect();
-    until(|| cb.stats().grabs_past_mark >= 1 && store.pending() >= 1).await;
+    let Stalled {
+        cb,
+        tokens0,
+        store,
+        cp,
+        d,
+        handles,
+        ..
+    } = Stalled::start().await;
     // The store is still held: the shards stop anyway, failing what is not dispatched.
     let d = tokio::task::spawn_blocking(move || {
         d.shutdown_now();
