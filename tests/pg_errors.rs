@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, UNIX_EPOCH};
 
 use common::pg::{cluster_or_skip, error_chain};
-use common::pg_session::{client, no_backend_waiting, t0, waiting_backend};
+use common::pg_session::{client, hold_row_lock, no_backend_waiting, t0, waiting_backend};
 use iothrottle::pg::{PgKeyedLimiter, PgOptions, PgWindowLimiter, Zone};
 use iothrottle::PgLimitError;
 
@@ -24,11 +24,7 @@ async fn terminated_backend_error_shows_sqlstate_and_server_message() {
     l.install().await.unwrap();
     l.request_n_at("k", 1, 100, 1, t0()).await.unwrap();
     // Park the limiter's statement on a row lock, then terminate its backend.
-    let blocker = client(&pg).await;
-    blocker
-        .batch_execute("BEGIN; UPDATE iothrottle.token_bucket SET granted = 0 WHERE id = 'k'")
-        .await
-        .unwrap();
+    let blocker = hold_row_lock(&pg, "k").await;
     let (res, ()) = tokio::join!(l.request_n_at("k", 1, 100, 1, t0()), async {
         let pid = waiting_backend(&blocker).await;
         blocker
@@ -340,11 +336,7 @@ async fn a_stuck_call_times_out_and_the_next_one_reconnects() {
         .unwrap();
     l.install().await.unwrap();
     l.request_n_at("k", 1, 100, 1, t0()).await.unwrap();
-    let blocker = client(&pg).await;
-    blocker
-        .batch_execute("BEGIN; UPDATE iothrottle.token_bucket SET granted = 0 WHERE id = 'k'")
-        .await
-        .unwrap();
+    let blocker = hold_row_lock(&pg, "k").await;
     let err = l.request_n_at("k", 1, 100, 1, t0()).await.unwrap_err();
     assert!(
         matches!(err, PgLimitError::TimedOut { after } if after == Duration::from_millis(200)),
@@ -458,11 +450,7 @@ async fn queued_calls_say_why(name: &str, how: CloseBy) {
     for k in ["k", "q1", "q2"] {
         l.request_n_at(k, 1, 100, 1, t0()).await.unwrap();
     }
-    let blocker = client(&pg).await;
-    blocker
-        .batch_execute("BEGIN; UPDATE iothrottle.token_bucket SET granted = 0 WHERE id = 'k'")
-        .await
-        .unwrap();
+    let blocker = hold_row_lock(&pg, "k").await;
     let first = {
         let l = l.clone();
         tokio::spawn(async move { l.request_n_at("k", 1, 100, 1, t0()).await })

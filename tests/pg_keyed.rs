@@ -7,7 +7,7 @@ mod common;
 use std::time::Duration;
 
 use common::pg::{cluster_or_skip, cluster_with_settings_or_skip, PgCluster};
-use common::pg_session::{client, t0, waiting_backend};
+use common::pg_session::{client, hold_row_lock, t0, waiting_backend};
 use iothrottle::pg::{Isolation, PgKeyedLimiter, PgOptions, RetryPolicy, MAX_KEY_BYTES};
 use iothrottle::PgLimitError;
 
@@ -352,18 +352,6 @@ async fn install_is_idempotent_concurrent_and_per_schema() {
             supported: 1
         })
     ));
-}
-
-/// Holds the row lock of `id` in a transaction of another session until the returned
-/// client commits.
-async fn hold_row_lock(pg: &PgCluster, id: &str) -> tokio_postgres::Client {
-    let c = client(pg).await;
-    c.batch_execute(&format!(
-        "BEGIN; UPDATE iothrottle.token_bucket SET granted = 0 WHERE id = '{id}'"
-    ))
-    .await
-    .unwrap();
-    c
 }
 
 #[tokio::test]

@@ -8,7 +8,7 @@ mod common;
 use std::time::Duration;
 
 use common::pg::{cluster_or_skip, PgCluster};
-use common::pg_session::t0;
+use common::pg_session::{hold_row_lock, t0};
 use deadpool_postgres::{Manager, Pool};
 use iothrottle::pg::{PgKeyedLimiter, PgOptions, PgWindowLimiter, Zone};
 use iothrottle::PgLimitError;
@@ -92,14 +92,7 @@ async fn a_timed_out_pooled_session_is_detached() {
     let l = PgKeyedLimiter::from_pool(p.clone(), opts).await.unwrap();
     l.install().await.unwrap();
     l.request_n_at("k", 1, 100, 1, t0()).await.unwrap();
-    let (blocker, conn) = tokio_postgres::connect(&pg.connection_string(), NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
-    blocker
-        .batch_execute("BEGIN; UPDATE iothrottle.token_bucket SET granted = 0 WHERE id = 'k'")
-        .await
-        .unwrap();
+    let blocker = hold_row_lock(&pg, "k").await;
     let err = l.request_n_at("k", 1, 100, 1, t0()).await.unwrap_err();
     assert!(matches!(err, PgLimitError::TimedOut { .. }), "{err:?}");
     assert_eq!(p.status().size, 0, "the stuck session left the pool");

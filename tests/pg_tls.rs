@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use common::pg::{cluster_or_skip, cluster_with_files_or_skip, error_chain, PgCluster};
 // A plaintext administrator session (the cluster accepts both).
-use common::pg_session::{client as admin, no_backend_waiting};
+use common::pg_session::{client as admin, hold_row_lock, no_backend_waiting};
 use iothrottle::checkpoint::{Checkpoint, PgCheckpoint, Snapshot};
 use iothrottle::pg::{PgKeyedLimiter, PgOptions, PgWindowLimiter};
 use iothrottle::{BucketConfig, CheckpointError, PgLimitError, Rate, SharedTokenBucket};
@@ -291,11 +291,7 @@ async fn a_stuck_call_over_tls_is_cancelled_over_tls() {
         .unwrap();
     l.install().await.unwrap();
     assert_eq!(l.request("k", 1, 100).await.unwrap(), 99);
-    let blocker = admin(&pg).await;
-    blocker
-        .batch_execute("BEGIN; UPDATE iothrottle.token_bucket SET granted = 0 WHERE id = 'k'")
-        .await
-        .unwrap();
+    let blocker = hold_row_lock(&pg, "k").await;
     let err = l.request("k", 1, 100).await.unwrap_err();
     assert!(matches!(err, PgLimitError::TimedOut { .. }), "{err:?}");
     // The cancel request goes over TLS too (the session requires it): the stuck statement

@@ -21,6 +21,18 @@ pub async fn client(pg: &PgCluster) -> Client {
     c
 }
 
+/// Holds the row lock of `id` in a transaction of a session of its own, until the returned
+/// client commits or rolls back.
+pub async fn hold_row_lock(pg: &PgCluster, id: &str) -> Client {
+    let c = client(pg).await;
+    c.batch_execute(&format!(
+        "BEGIN; UPDATE iothrottle.token_bucket SET granted = 0 WHERE id = '{id}'"
+    ))
+    .await
+    .unwrap();
+    c
+}
+
 /// The limiters' sessions (`application_name = 'iothrottle'`) waiting for a lock.
 const WAITING: &str = "FROM pg_stat_activity WHERE application_name = 'iothrottle' \
                        AND wait_event_type = 'Lock'";
