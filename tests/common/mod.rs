@@ -5,6 +5,8 @@ pub mod disk;
 pub mod pg;
 #[cfg(feature = "postgres")]
 pub mod pg_children;
+#[cfg(all(feature = "postgres", feature = "test-util"))]
+pub mod pg_leased;
 #[cfg(feature = "postgres")]
 pub mod pg_reference;
 #[cfg(feature = "postgres")]
