@@ -13,8 +13,8 @@
 //! `rate×` (tokens dispatched per second ÷ the bucket's rate), `capped` (share of samples with
 //! `head` at `ceil`: the in-flight bound held the class back), `owed` (share with the
 //! reservation still waiting for tokens: the rate held it back), `idle` (share with tokens
-//! in the bucket and nothing claiming them: the shard was late to take them), the service
-//! time (dispatch to completion) p50 and p99, and the disk time in flight by Little's law.
+//! in the bucket and nothing claiming them: the shard was late to take them), and the service
+//! time (dispatch to completion) p50 and p99. See docs/dispatcher.md, "Capped mode".
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -80,9 +80,11 @@ fn main() -> Result<(), BoxError> {
     if args.kib == 0 || args.kib % 4 != 0 || args.depth == 0 || args.seconds == 0 {
         return Err("--kib must be a positive multiple of 4; --depth, --seconds positive".into());
     }
-    let path = args
-        .dir
-        .join(format!("iothrottle-capacity-{}", std::process::id()));
+    // Removed when dropped (at the end, or on an error).
+    let scratch = tempfile::Builder::new()
+        .prefix("iothrottle-capacity-")
+        .tempfile_in(&args.dir)?;
+    let path = scratch.path().to_owned();
     let disk = match &args.properties {
         Some(p) => DiskModel::from_properties_for_dir(p, &args.dir)?,
         None => DiskModel::symmetric(Figures {
@@ -119,9 +121,7 @@ fn main() -> Result<(), BoxError> {
     let outcome = goals
         .iter()
         .try_for_each(|&goal| run(&args, disk, goal, &path));
-    if !args.instant {
-        let _ = std::fs::remove_file(&path);
-    }
+    drop(scratch);
     outcome
 }
 
@@ -245,14 +245,13 @@ fn run(
         (s1[i] - s0[i]) as f64 / n
     };
     let ratio = tokens as f64 / (per_second * elapsed.as_secs_f64());
-    let mean_service = c.service_p50();
     println!(
         "goal {:>6?}: rate× {ratio:.4}  capped {:.3}  owed {:.3}  idle {:.3}  service p50 {:?} p99 {:?}  queue p50 {:?}  ({} requests, {:.1} MB/s)",
         goal,
         share(1),
         share(2),
         share(3),
-        mean_service,
+        c.service_p50(),
         c.service_p99(),
         c.queue_wait_p50(),
         c.requests,
