@@ -13,8 +13,10 @@
 //! `rate×` (tokens dispatched per second ÷ the bucket's rate), `capped` (share of samples with
 //! `head` at `ceil`: the in-flight bound held the class back), `owed` (share with the
 //! reservation still waiting for tokens: the rate held it back), `idle` (share with tokens
-//! in the bucket and nothing claiming them: the shard was late to take them), and the service
-//! time (dispatch to completion) p50 and p99. See docs/dispatcher.md, "Capped mode".
+//! in the bucket and nothing claiming them: the shard was late to take them), the service
+//! time (dispatch to completion) p50 and p99, and by Little's law the modelled disk time in
+//! flight over the goal (near 1 with `capped` high: the disk's latency, not the pacing, bounds
+//! the rate at that goal). See docs/dispatcher.md, "Capped mode".
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -246,13 +248,16 @@ fn run(
     };
     let ratio = tokens as f64 / (per_second * elapsed.as_secs_f64());
     println!(
-        "goal {:>6?}: rate× {ratio:.4}  capped {:.3}  owed {:.3}  idle {:.3}  service p50 {:?} p99 {:?}  queue p50 {:?}  ({} requests, {:.1} MB/s)",
+        "goal {:>6?}: rate× {ratio:.4}  capped {:.3}  owed {:.3}  idle {:.3}  service p50 {:?} p99 {:?}  in flight ≈ {:.2} of the goal  queue p50 {:?}  ({} requests, {:.1} MB/s)",
         goal,
         share(1),
         share(2),
         share(3),
         c.service_p50(),
         c.service_p99(),
+        // Little's law: modelled disk time in flight = tokens per second × time in flight.
+        tokens as f64 / elapsed.as_secs_f64() * c.service_p50().as_secs_f64()
+            / goal.as_nanos() as f64,
         c.queue_wait_p50(),
         c.requests,
         (c.requests as f64 * bytes as f64) / elapsed.as_secs_f64() / 1e6,
