@@ -29,10 +29,14 @@ fn replenish_under_ceil(b: &SharedTokenBucket<Capped, ArcClock>, now: Duration) 
     if now <= last {
         return 0;
     }
-    let earned = u64::try_from(b.rate().tokens_in(now - last)).unwrap_or(u64::MAX);
+    let rate = b.rate();
+    let earned = u64::try_from(rate.tokens_in(now - last)).unwrap_or(u64::MAX);
     let s = b.snapshot();
     let limit = b.limit();
-    let ceil = s.ceil.expect("a capped bucket has a ceil");
+    let Some(ceil) = s.ceil else {
+        // Not reached: a capped bucket has a ceil.
+        return b.replenish_at(now);
+    };
     // What a replenish at `now` adds: up to `ceil`, and never more than the limit in the bucket.
     let room = (ahead(ceil, s.head).max(0) as u64)
         .min(ahead(s.tail.wrapping_add(limit), s.head).max(0) as u64);
@@ -50,11 +54,11 @@ fn replenish_under_ceil(b: &SharedTokenBucket<Capped, ArcClock>, now: Duration) 
         most
     } else {
         // The replenish must still count at least the threshold, or it adds nothing (a room
-        // smaller than the threshold then costs the difference, as it always did).
+        // smaller than the threshold then costs the difference).
         earned.saturating_sub(fill.max(b.threshold())).min(most)
     };
     // The time counted earns at least `earned - keep` (`duration_for` rounds up).
-    let upto = last.saturating_add(b.duration_for(earned - keep));
+    let upto = last.saturating_add(rate.duration_for(earned - keep));
     b.replenish_at(now.min(upto))
 }
 
