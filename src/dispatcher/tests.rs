@@ -105,6 +105,11 @@ struct Sim {
     /// other in dispatch order, each for its cost divided by this speed (1.0: exactly as the
     /// model says; 0.5: twice as slow).
     disk_speed: Option<f64>,
+    /// With `disk_speed`: a disk whose service times vary around the model's, `(state,
+    /// swing)`: each request takes its modelled time times a factor drawn evenly from
+    /// `[1 − swing, 1 + swing]` (the state of a seeded generator), so that on average it keeps
+    /// the model's pace, faster and slower by turns, as a real disk does.
+    disk_swing: Option<(u64, f64)>,
     /// When the modelled disk finishes what it was given so far.
     disk_free_at: Duration,
     /// A host that stalls writes (with `disk_speed`): a write dispatched in `[from, to)`
@@ -141,6 +146,7 @@ impl Sim {
             running: Vec::new(),
             latency: Duration::ZERO,
             disk_speed: None,
+            disk_swing: None,
             disk_free_at: Duration::ZERO,
             write_stall: None,
             max_in_flight: 0,
@@ -272,7 +278,20 @@ impl Sim {
                         r.done_at = self.disk_free_at;
                         self.running.push(r);
                     } else if let Some(speed) = self.disk_speed {
-                        let busy = Duration::from_secs_f64(e.cost as f64 / 1e9 / speed);
+                        // Each request takes its modelled time times a factor drawn evenly
+                        // from [1 − swing, 1 + swing] (xorshift64 from a fixed seed, so every
+                        // run draws the same): on average exactly the model's pace.
+                        let factor = match &mut self.disk_swing {
+                            Some((x, swing)) => {
+                                *x ^= *x << 13;
+                                *x ^= *x >> 7;
+                                *x ^= *x << 17;
+                                let u = (*x >> 11) as f64 / (1u64 << 53) as f64;
+                                1.0 + *swing * (2.0 * u - 1.0)
+                            }
+                            None => 1.0,
+                        };
+                        let busy = Duration::from_secs_f64(e.cost as f64 / 1e9 / speed * factor);
                         let stalled = self.write_stall.filter(|&(from, to)| {
                             self.feeds[f].request.kind() == Some(IoKind::Write)
                                 && now >= from
@@ -1509,4 +1528,35 @@ fn a_request_goes_from_its_caller_only_when_the_shares_let_its_class_go() {
         "fg banked its idle time"
     );
     core.drain();
+}
+
+/// A saturating class on a disk that keeps the model's pace only on average (as real disks
+/// do: slower for a moment, then faster) gets the model's rate at the default latency goal:
+/// the tokens `ceil` holds back while the disk is behind are kept (up to the limit) for when
+/// it catches up, instead of being discarded, so the disk time in flight still never exceeds
+/// the goal and nothing is lost to the swings.
+#[test]
+fn a_saturating_class_gets_the_rate_from_a_disk_that_keeps_the_pace_on_average() {
+    for (bytes, swing) in [(64 << 10, 0.5), (64 << 10, 0.3), (16 << 10, 0.5)] {
+        let mut b = builder(1).disk(VIRTIO);
+        let c = b.add_class(ClassConfig::new("c", 100)).unwrap();
+        let feeds = vec![Feed::new(0, c, IoRequest::read(bytes), 256)];
+        let mut sim = Sim::new(b, ManualClock::new(), feeds);
+        sim.disk_speed = Some(1.0);
+        sim.disk_swing = Some((0x9E37_79B9_7F4A_7C15, swing));
+        sim.run(100 * MS, Duration::from_micros(1));
+        let before = sim.tokens[0];
+        sim.run(1100 * MS, Duration::from_micros(1));
+        let got = (sim.tokens[0] - before) as f64 / 1e9;
+        println!(
+            "{bytes} B reads, service times 1 ± {swing} of the model's: {got:.4} of the rate, most in flight {} µs",
+            sim.max_in_flight / 1000
+        );
+        assert!(sim.max_in_flight <= sim.shared.budget.limit());
+        assert!(
+            got >= 0.985,
+            "{bytes} B, swing {swing}: {got:.4} of the rate"
+        );
+        sim.drain();
+    }
 }
