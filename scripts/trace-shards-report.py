@@ -64,13 +64,18 @@ def main():
         if not m:
             continue
         pid, tid = int(m["pid"]), int(m["tid"])
-        comm_of.setdefault(tid, m["comm"].strip())
+        comm_of[tid] = m["comm"].strip()
         pid_of[tid] = pid
         events.append((float(m["t"]), int(m["cpu"]), m["ev"], m["rest"], tid, m["comm"].strip()))
     events.sort(key=lambda e: e[0])
 
     if pid_filter is None:
-        # the process that owns the most shard threads
+        # the main job's process (its main thread is named after it), else the process that
+        # owns the most shard threads
+        jobs = [t for t, c in comm_of.items() if t == pid_of[t] and c.startswith("disk_throttle")]
+        if jobs:
+            pid_filter = jobs[-1]
+    if pid_filter is None:
         counts = defaultdict(int)
         for tid, c in comm_of.items():
             if c.startswith("iothrottle-shar"):
