@@ -149,10 +149,12 @@ mod tests {
             let t = ShardTimer::new().expect("a timerfd");
             t.arm(Duration::from_micros(50)).expect("armed");
             t.expired().await.expect("expired");
-            // Re-armed far ahead, then disarmed: it must not complete. A zero-length tokio
-            // sleep after yielding to the reactor shows it pending without timing anything.
+            // Re-armed far ahead, then disarmed: the kernel holds no expiry for it, and it does
+            // not complete (polled once after yielding to the reactor: nothing is timed).
             t.arm(Duration::from_secs(3600)).expect("armed");
+            assert!(armed_for(&t) > Duration::from_secs(3000));
             t.disarm().expect("disarmed");
+            assert_eq!(armed_for(&t), Duration::ZERO);
             let expired = t.expired();
             tokio::pin!(expired);
             assert!(futures_poll_once(expired.as_mut()).await.is_none());
@@ -171,6 +173,12 @@ mod tests {
             tokio::pin!(expired);
             assert!(futures_poll_once(expired.as_mut()).await.is_none());
         });
+    }
+
+    /// How long until `t` expires, as the kernel holds it (zero: disarmed).
+    fn armed_for(t: &ShardTimer) -> Duration {
+        let spec = rustix::time::timerfd_gettime(t.fd.get_ref()).expect("timerfd_gettime");
+        Duration::new(spec.it_value.tv_sec as u64, spec.it_value.tv_nsec as u32)
     }
 
     /// Polls `f` once after letting the reactor run, `None` when it is pending.
