@@ -60,6 +60,8 @@ mod queue;
 mod runner;
 mod shard;
 pub(crate) mod shard_io;
+#[cfg(target_os = "linux")]
+mod shard_timer;
 mod spawn;
 mod state;
 mod stats;

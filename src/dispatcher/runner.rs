@@ -20,6 +20,8 @@ use crate::DispatchError;
 use super::queue::Entry;
 use super::shard::{Next, ShardCore};
 use super::shard_io;
+#[cfg(target_os = "linux")]
+use super::shard_timer;
 use super::spawn::{self, SpawnJob};
 use super::state::Shared;
 use super::stats::ShardStats;
@@ -135,6 +137,11 @@ impl Drop for OnStop {
             );
         }
     }
+}
+
+#[cfg(not(target_os = "linux"))] // No timerfds: every short sleep uses the timer thread.
+mod shard_timer {
+    pub(super) async fn expired(_own: Option<&()>) {}
 }
 
 /// Starts shard `index` on its own thread, running `rt`.
@@ -341,6 +348,9 @@ async fn run(
         backoff_until: None,
         seen: None,
     };
+    // Made here, on the shard's runtime (its reactor registers the fd).
+    #[cfg(target_os = "linux")]
+    let own_timer = shard_timer::for_shard(index);
     let mut closing: Option<ShutdownMode> = None;
     let mut open = true;
 
@@ -447,18 +457,33 @@ async fn run(
                 }
             }
             Next::WakeAfter(d) if d < FINE_BELOW => {
-                // tokio's timer ticks in milliseconds: short sleeps go to the fine timer, with
-                // a tokio sleep as a backstop should its thread be gone.
-                timer.arm(index, d, &timer_thread);
+                // tokio's timer ticks in milliseconds: short sleeps go to the shard's timerfd
+                // (`shard_timer`), else the timer thread, with a tokio sleep as a backstop.
+                #[cfg(target_os = "linux")]
+                let own = shard_timer::arm(own_timer.as_ref(), index, d);
+                #[cfg(not(target_os = "linux"))]
+                let own: Option<&()> = None;
+                if own.is_none() {
+                    timer.arm(index, d, &timer_thread);
+                }
+                // Relaxed: a statistic of the unit tests.
+                #[cfg(test)]
+                shared.short_sleeps[index][usize::from(own.is_none())]
+                    .fetch_add(1, crate::sync::Ordering::Relaxed);
                 tokio::select! {
                     biased;
                     msg = rx.recv(), if open => receive(msg, &mut open, &mut closing),
-                    _ = timer.notify(index).notified() => {}
+                    _ = timer.notify(index).notified(), if own.is_none() => {}
+                    _ = shard_timer::expired(own), if own.is_some() => {}
                     _ = shared.released[index].notified() => {}
                     _ = cancelled(&core) => {}
                     _ = tokio::time::sleep(d + FINE_BELOW) => {}
                 }
-                timer.disarm(index);
+                match own {
+                    #[cfg(target_os = "linux")]
+                    Some(t) => shard_timer::disarm(t, index),
+                    _ => timer.disarm(index),
+                }
             }
             Next::WaitDurable(tail) => {
                 let gate = shared

@@ -69,6 +69,10 @@ pub(crate) struct Shared {
     /// the crate's own unit tests (of the idle poll): release builds carry no such field.
     #[cfg(test)]
     pub(crate) parks: Vec<AtomicU64>,
+    /// One per shard: its short sleeps, `[on its own timerfd, on the timer thread]`. Counted
+    /// only in the crate's own unit tests.
+    #[cfg(test)]
+    pub(crate) short_sleeps: Vec<[AtomicU64; 2]>,
 }
 
 /// Counts the shard threads still running; each decrements it as it ends (even by a panic).
@@ -165,6 +169,10 @@ impl Shared {
             idle_poll: DispatcherBuilder::DEFAULT_IDLE_POLL,
             #[cfg(test)]
             parks: (0..shards).map(|_| AtomicU64::new(0)).collect(),
+            #[cfg(test)]
+            short_sleeps: (0..shards)
+                .map(|_| [AtomicU64::new(0), AtomicU64::new(0)])
+                .collect(),
             caller_dispatch: false,
             fast: (0..shards * classes_len)
                 .map(|_| Mutex::new(ClassRecorder::new()))

@@ -1,9 +1,10 @@
 //! A fine-grained timer for the shards' short sleeps.
 //!
 //! tokio's timer has a resolution of 1 ms; a shard waiting for 70 µs of tokens would sleep a
-//! whole millisecond. Sleeps shorter than [`FINE_BELOW`] go to this timer instead: one thread
-//! per dispatcher that parks until the earliest shard deadline (`park_timeout`, a futex wait
-//! with the kernel's ~50 µs timer slack) and wakes the shard through its `Notify`.
+//! whole millisecond. Sleeps shorter than [`FINE_BELOW`] wake on the shard's own timerfd
+//! (`shard_timer`, Linux) or, where there is none, on this timer: one thread per dispatcher
+//! that parks until the earliest shard deadline (`park_timeout`, a futex wait with the
+//! kernel's ~50 µs timer slack) and wakes the shard through its `Notify`.
 //!
 //! The deadline protocol itself (arming, ringing, stopping, and its orderings) is the
 //! loom-checked core [`Alarms`].
