@@ -654,9 +654,8 @@ impl Dispatcher {
             .lock()
             .ok()
             .and_then(|s| s[shard].clone());
-        saved.unwrap_or_else(|| ShardStats {
-            shard,
-            classes: self
+        saved.unwrap_or_else(|| {
+            let classes = self
                 .shared
                 .classes
                 .iter()
@@ -668,7 +667,8 @@ impl Dispatcher {
                         0,
                     )
                 })
-                .collect(),
+                .collect();
+            ShardStats::new(&self.shared, shard, classes)
         })
     }
 

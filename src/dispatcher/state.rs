@@ -65,6 +65,8 @@ pub(crate) struct Shared {
     pub(crate) closed: AtomicU64,
     /// One per shard: its spawned tasks not yet ended (see `spawn::Live`).
     pub(crate) spawned: Vec<AtomicU64>,
+    /// One per shard: the tasks ever handed to it by `spawn_on` (see `spawn::Live`).
+    pub(crate) tasks_spawned: Vec<AtomicU64>,
     /// One per shard: how many times its thread parked with nothing queued. Counted only in
     /// the crate's own unit tests (of the idle poll): release builds carry no such field.
     #[cfg(test)]
@@ -171,6 +173,7 @@ impl Shared {
                 .collect(),
             closed: AtomicU64::new(0),
             spawned: (0..shards).map(|_| AtomicU64::new(0)).collect(),
+            tasks_spawned: (0..shards).map(|_| AtomicU64::new(0)).collect(),
         }
     }
 
