@@ -213,7 +213,9 @@ impl Shared {
     /// `shard`, goes at once from the caller's thread, and if so takes its tokens and charges
     /// its class. It goes only when nothing could tell it apart from a request the shard
     /// dispatched at once: no request of its class waits anywhere (FIFO within the class), the
-    /// cross-shard fairness rules let its class reserve now (the shares between classes), its
+    /// cross-shard fairness rules let its class reserve now and no class with requests waiting
+    /// is behind it in virtual time (the shares between classes: it takes no tokens its shard
+    /// would give a waiting class first), its
     /// in-flight bound has room, and the bucket holds its tokens now (nobody's reservation is
     /// owed tokens). Not with a checkpoint gate, latency targets or a bandwidth cap on the
     /// class: those keep the shard's path.
@@ -224,6 +226,7 @@ impl Shared {
             || self.classes.any_queued(class)
             || self.classes.has_cap(class)
             || self.classes.may_go_now(class, shard).is_err()
+            || !self.classes.first_among_waiting(class)
         {
             return false;
         }
