@@ -182,8 +182,9 @@ unsafe impl IoBuf for Watched {
 /// A write into a full pipe stays in flight on the caller's ring; its future is dropped. The
 /// buffer lives and the tokens stay taken until the kernel completes the write; then both go,
 /// and shutdown does not wait for anything.
-#[test]
-fn a_dropped_caller_dispatched_write_keeps_its_buffer_and_tokens_until_the_kernel_is_done() {
+/// A `ThrottledFile` on the write end of an O_DIRECT pipe whose one-page buffer is full (the
+/// next write stays in flight until the read end is read), the read end, and its dispatcher.
+fn full_pipe_file() -> (std::fs::File, ThrottledFile, Arc<Dispatcher>) {
     let mut fds = [0; 2];
     // SAFETY: `fds` has room for the two descriptors.
     assert_eq!(
@@ -191,7 +192,7 @@ fn a_dropped_caller_dispatched_write_keeps_its_buffer_and_tokens_until_the_kerne
         0
     );
     // SAFETY: both descriptors were just made and are owned by nothing else.
-    let (mut rd, mut wr) = unsafe {
+    let (rd, mut wr) = unsafe {
         (
             std::fs::File::from_raw_fd(fds[0]),
             std::fs::File::from_raw_fd(fds[1]),
@@ -208,6 +209,12 @@ fn a_dropped_caller_dispatched_write_keeps_its_buffer_and_tokens_until_the_kerne
         ..FileOptions::default()
     };
     let f = ThrottledFile::from_file(d.clone(), class, wr, "pipe", opts).unwrap();
+    (rd, f, d)
+}
+
+#[test]
+fn a_dropped_caller_dispatched_write_keeps_its_buffer_and_tokens_until_the_kernel_is_done() {
+    let (mut rd, f, d) = full_pipe_file();
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -332,5 +339,87 @@ fn caller_dispatch_falls_back_to_the_shard_without_an_io_driver_or_on_the_blocki
     assert_eq!(n.unwrap(), ALIGN);
     drop(blocked);
     check_accounted(&d, &io, 1 + 2 + 1 + 1 + 1);
+    d.shutdown();
+}
+
+/// The caller's runtime shuts down with a write in flight on its ring: a thread takes over the
+/// reaping, so the buffer lives until the kernel completes the write and the tokens come back
+/// then; nothing hangs.
+#[test]
+fn a_runtime_shut_down_mid_io_leaves_the_write_to_a_reaper_thread() {
+    let (mut rd, f, d) = full_pipe_file();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let dropped = Arc::new(AtomicBool::new(false));
+    let blocked = block_shard(&d);
+    let f = Arc::new(f);
+    let writer = f.clone();
+    let buf = Watched {
+        buf: AlignedBuf::from_slice(&[5u8; ALIGN]).unwrap(),
+        dropped: dropped.clone(),
+    };
+    let write = rt.spawn(async move { writer.write_at(buf, 0).await.0 });
+    rt.block_on(async {
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+    });
+    assert!(!write.is_finished(), "the pipe is full");
+    drop(rt);
+    assert!(!dropped.load(Ordering::SeqCst), "the kernel still holds it");
+    let mut page = vec![0u8; ALIGN];
+    std::io::Read::read_exact(&mut rd, &mut page).unwrap();
+    std::io::Read::read_exact(&mut rd, &mut page).unwrap();
+    assert!(
+        page.iter().all(|&b| b == 5),
+        "written from the caller's ring"
+    );
+    let waited = std::time::Instant::now();
+    while !dropped.load(Ordering::SeqCst) {
+        assert!(waited.elapsed() < GUARD, "the completion was never reaped");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    drop(blocked);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    check_accounted(&d, &rt, 1);
+    d.shutdown();
+}
+
+/// A thread that leaves one runtime for another (the first still alive, but no longer driven)
+/// gets a ring reaped by the second: its I/O completes with the shard blocked.
+#[test]
+fn a_thread_moving_to_another_runtime_gets_a_ring_reaped_there() {
+    let dir = scratch();
+    let (d, class) = dispatcher();
+    let path = dir.path().join("data");
+    let f = ThrottledFile::open(d.clone(), class, path, options(Backend::IoUring)).unwrap();
+    let first = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let second = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let blocked = block_shard(&d);
+    let (res, _) = in_time(
+        &first,
+        f.write_at(AlignedBuf::from_slice(&stamp(3)).unwrap(), 0),
+    );
+    res.unwrap();
+    let (n, back) = in_time(
+        &second,
+        f.read_at(AlignedBuf::zeroed(4 * ALIGN).unwrap(), 0),
+    );
+    assert_eq!(n.unwrap(), 4 * ALIGN);
+    assert!(back[..] == stamp(3)[..]);
+    drop(blocked);
+    check_accounted(&d, &second, 2);
+    drop(first);
     d.shutdown();
 }

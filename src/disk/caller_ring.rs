@@ -13,6 +13,8 @@
 //!
 //! Anything else keeps the shard's path: no tokio runtime (or one without an I/O driver) on the
 //! calling thread, a call from a shard, the blocking pool, a ring that cannot be made or is full.
+//!
+//! Tested in `tests/disk_caller.rs` (through `ThrottledFile`, with the shard blocked).
 
 use std::cell::RefCell;
 use std::io;
@@ -387,5 +389,3 @@ pub(super) fn try_issue(
     Ok(handle)
 }
 
-#[cfg(test)]
-mod tests;
