@@ -209,12 +209,11 @@ impl DispatcherBuilder {
     /// the handle be dropped before the future ended, the future is sent to the shard and runs
     /// to its end there.
     ///
-    /// A `ThrottledFile` piece that may go at once is issued on
-    /// an io_uring ring of the calling thread's own, reaped by the caller's tokio runtime (it
-    /// needs the runtime's I/O driver; without one, outside tokio, on the blocking pool, the
-    /// piece keeps the shard's path); its buffer and tokens are held until the kernel completes
-    /// it, even if its future is dropped. See `docs/dispatcher.md`, "No hop when none is
-    /// needed".
+    /// A `ThrottledFile` piece that may go at once is issued on an io_uring ring of the calling
+    /// thread's own, reaped by the caller's tokio runtime (it needs the runtime's I/O driver;
+    /// without one, outside tokio, or on the blocking pool, the piece keeps the shard's path);
+    /// its buffer and tokens are held until the kernel completes it, even if its future is
+    /// dropped. See `docs/dispatcher.md`, "No hop when none is needed".
     ///
     /// Off by default because it changes where a request's future runs: on the caller's
     /// thread and runtime, not on a shard; and it takes a ring (an fd and locked memory) per
