@@ -204,9 +204,9 @@ impl Drop for ReaperGuard {
     }
 }
 
-/// The reaper: woken by the runtime's I/O driver when the eventfd is readable.
-/// `_guard` is moved in: dropped with the future even if it never ran (spawned on a runtime
-/// already shutting down).
+/// The reaper: woken by the runtime's I/O driver when the eventfd is readable. `_guard` is
+/// moved in, so that it drops with the future even if the future never ran (spawned on a
+/// runtime already shutting down).
 async fn reap_task(afd: AsyncFd<EventFd>, _guard: ReaperGuard) {
     let ring = afd.get_ref().0.clone();
     loop {
