@@ -388,4 +388,3 @@ pub(super) fn try_issue(
     }
     Ok(handle)
 }
-
