@@ -1480,6 +1480,43 @@ fn spawn_picks_the_shard_with_the_fewest_running_tasks() {
     d.shutdown();
 }
 
+/// The stats count the tasks handed to each shard and those still running.
+#[test]
+fn stats_count_the_spawned_tasks_and_those_running() {
+    let (d, _) = two_shards();
+    let rt = rt();
+    let (release_tx, release) = tokio::sync::oneshot::channel::<()>();
+    let (started_tx, started) = std::sync::mpsc::channel();
+    let long = d
+        .spawn_on(0, || async move {
+            started_tx.send(()).unwrap();
+            let _ = release.await;
+        })
+        .unwrap();
+    started.recv().unwrap();
+    for shard in [0, 1, 1] {
+        let h = d.spawn_on(shard, || async { 7 }).unwrap();
+        assert_eq!(rt.block_on(h), Ok(7));
+    }
+    let s = d.stats_blocking();
+    assert_eq!(
+        [s.shards[0].tasks_spawned, s.shards[1].tasks_spawned],
+        [2, 2]
+    );
+    assert_eq!(
+        [s.shards[0].tasks_running, s.shards[1].tasks_running],
+        [1, 0]
+    );
+    assert_eq!((s.tasks_spawned(), s.tasks_running()), (4, 1));
+    release_tx.send(()).unwrap();
+    assert_eq!(rt.block_on(long), Ok(()));
+    let later = d.stats_blocking();
+    assert_eq!((later.tasks_spawned(), later.tasks_running()), (4, 0));
+    assert_eq!(later.since(&s).tasks_spawned(), 0, "none since");
+    d.shutdown();
+    assert_eq!(d.stats_blocking().tasks_spawned(), 4, "kept after shutdown");
+}
+
 /// A split request whose size asks for more pieces than one request may have is a typed error
 /// at once: nothing is allocated for it (a `u64::MAX` write would be ~10^14 pieces).
 #[test]

@@ -2,6 +2,7 @@
 //! queue-length gauge, the queue-wait histogram, cancellations, and the throttle export.
 
 use std::sync::{Mutex, OnceLock};
+use std::time::Duration;
 
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use metrics_util::MetricKind;
@@ -283,4 +284,56 @@ fn export_throttle_stats_publishes_the_throttles_own_counters() {
         gauge(find(&s, MetricKind::Gauge, names::THROTTLE_WAITING, l)),
         0.0
     );
+}
+
+/// Requests dispatched on their callers' threads emit what a queued one does: the queue gauge
+/// goes up and back down (not below zero), one queue-wait sample of zero each.
+#[test]
+fn requests_dispatched_from_their_callers_leave_the_queue_gauge_at_zero() {
+    let (snap, _serial) = recorder();
+    let mut b = Dispatcher::builder()
+        .shards(1)
+        .disk(DiskModel::symmetric(Figures {
+            iops: 100_000,
+            bandwidth: 1 << 30,
+        }))
+        .capped(false)
+        .pin_threads(false)
+        .caller_dispatch(true);
+    let c = b.add_class(ClassConfig::new("m_caller", 100)).unwrap();
+    let d = b.build().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let me = std::thread::current().id();
+    for _ in 0..10 {
+        let h = d
+            .submit(c, IoRequest::read(4096), async {
+                std::thread::current().id()
+            })
+            .unwrap();
+        assert_eq!(rt.block_on(h), Ok(me), "dispatched on the caller's thread");
+    }
+    let stats = d.stats_blocking();
+    d.shutdown();
+    let s = take(snap);
+    let l = ("class", "m_caller");
+    assert_eq!(stats.classes[c.index()].requests, 10);
+    // Zero, as the histogram's lowest value (1 ns) records it.
+    assert!(stats.classes[c.index()].queue_wait_max() <= Duration::from_nanos(1));
+    assert_eq!(
+        counter(find(&s, MetricKind::Counter, names::CLASS_REQUESTS, l)),
+        10
+    );
+    assert_eq!(
+        gauge(find(&s, MetricKind::Gauge, names::CLASS_QUEUE_LENGTH, l)),
+        0.0
+    );
+    match find(&s, MetricKind::Histogram, names::CLASS_QUEUE_WAIT, l) {
+        Some(DebugValue::Histogram(h)) => {
+            assert_eq!(h.len(), 10);
+            assert!(h.iter().all(|w| w.into_inner() == 0.0), "waits: {h:?}");
+        }
+        other => panic!("not a histogram: {other:?}"),
+    }
 }

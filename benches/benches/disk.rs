@@ -34,6 +34,11 @@
 //!   driver (an eventfd write) on every wake from another thread, so the shard pays one system
 //!   call per completed read for a current-thread caller; the multi-thread scheduler wakes a
 //!   worker only when none is awake.
+//! - `throttled_file_caller` (in `disk/ratios` only): `throttled_file` on a dispatcher with
+//!   [`DispatcherBuilder::caller_dispatch`]: a read that may go at once (here: every read, the
+//!   dispatcher is unthrottled) is issued on the caller's own io_uring and reaped by the
+//!   caller's runtime; no shard thread wakes. Its ratio to `direct_io_uring` is what the
+//!   dispatcher's bookkeeping and a ring reaped through tokio's reactor cost.
 //! - `throttled_file_sched_batch` (in `disk/ratios` only): `throttled_file` with the shard
 //!   thread on Linux's `SCHED_BATCH` policy, set by a
 //!   [`DispatcherBuilder::on_shard_start`] hook. A woken batch thread does not preempt the thread
@@ -75,6 +80,7 @@
 //!
 //! [idle poll]: iothrottle::dispatcher::DispatcherBuilder::idle_poll
 //! [`DispatcherBuilder::on_shard_start`]: iothrottle::dispatcher::DispatcherBuilder::on_shard_start
+//! [`DispatcherBuilder::caller_dispatch`]: iothrottle::dispatcher::DispatcherBuilder::caller_dispatch
 
 use std::cell::RefCell;
 use std::os::fd::AsRawFd;
@@ -626,6 +632,12 @@ pub fn disk(c: &mut Criterion) {
                 .unwrap(),
         );
 
+        let (caller_dispatcher, caller_class) = unthrottled_with(None, false, true);
+        let caller_file = Arc::new(
+            ThrottledFile::open(caller_dispatcher.clone(), caller_class, &path, opts.clone())
+                .unwrap(),
+        );
+
         let mut cases: Vec<(&str, usize, Case<'_>)> = Vec::new();
         let (direct_1, direct_32) = (RefCell::new(&mut ring), RefCell::new(&mut deep_ring));
         let (bufs_1, bufs_32) = (RefCell::new(&mut bufs), RefCell::new(&mut deep_bufs));
@@ -646,6 +658,7 @@ pub fn disk(c: &mut Criterion) {
                 &floor_tx,
                 &batch_file,
             );
+            let caller_file = &caller_file;
             cases.push((
                 "direct_io_uring",
                 depth,
@@ -692,6 +705,11 @@ pub fn disk(c: &mut Criterion) {
                 Box::new(move |n, rng| throttled(mt, file, depth, n, rng)),
             ));
             cases.push((
+                "throttled_file_caller",
+                depth,
+                Box::new(move |n, rng| throttled(rt, caller_file, depth, n, rng)),
+            ));
+            cases.push((
                 "throttled_file_sched_batch",
                 depth,
                 Box::new(move |n, rng| throttled(rt, batch_file, depth, n, rng)),
@@ -723,6 +741,7 @@ pub fn disk(c: &mut Criterion) {
         let before = [
             dispatcher.stats_blocking(),
             parked_dispatcher.stats_blocking(),
+            caller_dispatcher.stats_blocking(),
         ];
         ratios(&mut cases, &mut rng);
         // The dispatcher's own queue wait (submission to dispatch) over the rounds, per
@@ -731,6 +750,7 @@ pub fn disk(c: &mut Criterion) {
         for ((name, d, c), before) in [
             ("polling shard", &dispatcher, class),
             ("parked shard", &parked_dispatcher, parked_class),
+            ("caller dispatch", &caller_dispatcher, caller_class),
         ]
         .into_iter()
         .zip(&before)
@@ -789,8 +809,18 @@ pub fn disk(c: &mut Criterion) {
 /// An unthrottled one-shard dispatcher (the rate and limit far above the disk's), with the given
 /// idle poll (`None`: the default), its shard on `SCHED_BATCH` when `sched_batch`.
 fn unthrottled(idle_poll: Option<Duration>, sched_batch: bool) -> (Arc<Dispatcher>, ClassId) {
+    unthrottled_with(idle_poll, sched_batch, false)
+}
+
+/// [`unthrottled`], with caller dispatch when `caller`.
+fn unthrottled_with(
+    idle_poll: Option<Duration>,
+    sched_batch: bool,
+    caller: bool,
+) -> (Arc<Dispatcher>, ClassId) {
     let mut b = Dispatcher::builder()
         .shards(1)
+        .caller_dispatch(caller)
         .pin_threads(false)
         .rate(Rate::per_second(Rate::MAX_PER_SECOND))
         .limit(1 << 50)

@@ -6,12 +6,13 @@ use std::io;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
-use crate::dispatcher::{ClassId, Dispatcher, IoHandle, IoKind, IoRequest};
+use crate::dispatcher::{ClassId, Dispatcher, IoKind, IoRequest};
 use crate::sync::Arc;
 use crate::{DiskError, SubmitError};
 
 use super::backend::{self, Backend, OpKind, RawIo, Resolved};
 use super::buf::{check_addr, check_len, AlignedBuf, IoBuf, IoBufMut, ALIGN};
+use super::caller_ring::{self, PieceHandle};
 use super::fs::{fs_name, memory_fs};
 
 /// A result and the buffer that went into the call, handed back whatever the outcome (the
@@ -376,9 +377,21 @@ impl ThrottledFile {
                 len: plen,
                 offset: offset + start as u64,
             };
+            let shard = self.dispatcher.pick_shard();
+            let io = match caller_ring::try_issue(
+                &self.dispatcher,
+                self.backend,
+                (shard, class),
+                &req,
+                cost,
+                io,
+            ) {
+                Ok(handle) => return Ok(handle),
+                Err(io) => io,
+            };
             let (task, handle) = backend::io_task(self.backend, io);
             self.dispatcher
-                .submit_costed(class, req, cost, task)
+                .submit_costed_to(shard, class, req, cost, task)
                 .map(|()| handle)
         };
         let res = if len <= piece {
@@ -450,9 +463,6 @@ impl ThrottledFile {
         }
     }
 }
-
-/// A submitted piece's result: the kernel's byte count.
-type PieceHandle = IoHandle<io::Result<usize>>;
 
 fn kind_index(kind: IoKind) -> usize {
     match kind {

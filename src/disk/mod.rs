@@ -29,6 +29,7 @@
 mod backend;
 mod buf;
 mod calibrate;
+mod caller_ring;
 pub(crate) mod error;
 mod file;
 mod fs;

@@ -209,8 +209,15 @@ impl DispatcherBuilder {
     /// the handle be dropped before the future ended, the future is sent to the shard and runs
     /// to its end there.
     ///
+    /// A `ThrottledFile` piece that may go at once is issued on an io_uring ring of the calling
+    /// thread's own, reaped by the caller's tokio runtime (it needs the runtime's I/O driver;
+    /// without one, outside tokio, or on the blocking pool, the piece keeps the shard's path);
+    /// its buffer and tokens are held until the kernel completes it, even if its future is
+    /// dropped. See `docs/dispatcher.md`, "No hop when none is needed".
+    ///
     /// Off by default because it changes where a request's future runs: on the caller's
-    /// thread and runtime, not on a shard. Turn it on when the futures do not need a shard's
+    /// thread and runtime, not on a shard; and it takes a ring (an fd and locked memory) per
+    /// calling thread that issues disk I/O. Turn it on when the futures do not need a shard's
     /// runtime (a future that spawns onto the shard's `LocalSet`, or relies on the shard's
     /// io_uring ring, does); use [`Dispatcher::spawn_on`] to run code on a shard.
     ///

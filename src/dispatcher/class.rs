@@ -484,6 +484,12 @@ impl Classes {
         self.fair.may_go_now(class, shard)
     }
 
+    /// Whether no class with requests waiting is behind `class` in virtual time (see
+    /// [`Fairness::first_among`]).
+    pub(crate) fn first_among_waiting(&self, class: usize) -> bool {
+        self.fair.first_among(class, |o| self.any_queued(o))
+    }
+
     /// See [`Fairness::may_reserve`].
     pub(crate) fn may_reserve(&self, class: usize, shard: usize) -> Result<(), Ahead> {
         self.fair.may_reserve(class, shard)

@@ -343,6 +343,7 @@ impl Dispatcher {
     /// operations, which need no future on the shard), for a request whose cost the caller
     /// has computed already ([`cost`](Self::cost) of `request`: the disk module checks it
     /// before it submits anything).
+    #[cfg(test)]
     pub(crate) fn submit_costed(
         &self,
         class: ClassId,
@@ -353,7 +354,7 @@ impl Dispatcher {
         self.submit_costed_to(self.pick_shard(), class, request, cost, task)
     }
 
-    fn submit_costed_to(
+    pub(crate) fn submit_costed_to(
         &self,
         shard: usize,
         class: ClassId,
@@ -442,6 +443,37 @@ impl Dispatcher {
         Ok(SplitHandle::new(handles))
     }
 
+    /// Whether [caller dispatch](DispatcherBuilder::caller_dispatch) is on.
+    pub(crate) fn caller_dispatch(&self) -> bool {
+        self.shared.caller_dispatch
+    }
+
+    /// The tokens of a request of `class` costing `cost` (checked by the caller: at most
+    /// [`max_cost`](Self::max_cost)) that goes at once from the caller's thread for `shard`
+    /// ([`Shared::try_fast`]), its dispatch recorded; `None` when it must go through the shard
+    /// (caller dispatch off, called on a shard, shut down, or it cannot go at once). The disk
+    /// module issues such a request's operation on the caller's own ring and drops the permit
+    /// when the kernel completes it.
+    pub(crate) fn try_fast_costed(
+        &self,
+        shard: usize,
+        class: ClassId,
+        request: &IoRequest,
+        cost: u64,
+    ) -> Option<fast::FastDone> {
+        if !self.shared.caller_dispatch
+            || self.current_shard().is_some()
+            || self.check(shard, class).is_err()
+            || cost > self.shared.max_cost
+        {
+            return None;
+        }
+        let now = self.shared.clock.now();
+        self.shared.try_fast(class.0, shard, cost, now).then(|| {
+            fast::FastDone::start(&self.shared, shard, class.0, (cost, request.bytes()), now)
+        })
+    }
+
     fn check(&self, shard: usize, class: ClassId) -> Result<(), SubmitError> {
         // Acquire: pairs with the Release in `signal`; a submit that sees 0 may still race
         // with a shutdown, which the shard then handles (see `runner`).
@@ -467,7 +499,8 @@ impl Dispatcher {
         self.shared.too_large(request, cost)
     }
 
-    fn pick_shard(&self) -> usize {
+    /// The shard a request submitted now goes to: the calling shard, else the next in turn.
+    pub(crate) fn pick_shard(&self) -> usize {
         if let Some(s) = self.current_shard() {
             return s;
         }
@@ -621,9 +654,8 @@ impl Dispatcher {
             .lock()
             .ok()
             .and_then(|s| s[shard].clone());
-        saved.unwrap_or_else(|| ShardStats {
-            shard,
-            classes: self
+        saved.unwrap_or_else(|| {
+            let classes = self
                 .shared
                 .classes
                 .iter()
@@ -635,7 +667,8 @@ impl Dispatcher {
                         0,
                     )
                 })
-                .collect(),
+                .collect();
+            ShardStats::new(&self.shared, shard, classes)
         })
     }
 

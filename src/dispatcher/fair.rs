@@ -357,6 +357,18 @@ impl Fairness {
         self.may_reserve(class, shard)
     }
 
+    /// Whether no other class of `class`'s tier for which `waiting` holds (it has requests
+    /// queued) has a smaller virtual time: a shard would serve `class` no later than them, so a
+    /// request of it dispatched from its caller overtakes nobody the shares put first.
+    pub(crate) fn first_among(&self, class: usize, waiting: impl Fn(usize) -> bool) -> bool {
+        let c = &self.classes[class];
+        let v = c.vtime();
+        self.classes
+            .iter()
+            .enumerate()
+            .all(|(i, o)| i == class || o.tier != c.tier || !waiting(i) || ahead(v, o.vtime()) <= 0)
+    }
+
     /// `shard` no longer has `class` backlogged.
     pub(crate) fn deactivate(&self, class: usize, shard: usize) {
         let c = &self.classes[class];

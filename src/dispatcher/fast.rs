@@ -18,15 +18,45 @@ use super::state::Shared;
 use super::task::{self, add_panics, BoxFuture, Guarded};
 
 /// Held by a request dispatched on its caller's thread: when dropped (its future ended, or was
-/// torn down), its tokens are released as a shard's request's are, and its completion is
-/// recorded in the stats of the shard it was dispatched for.
-struct FastDone {
+/// torn down, or its operation completed on the caller's ring), its tokens are released as a
+/// shard's request's are, and its completion is recorded in the stats of the shard it was
+/// dispatched for.
+pub(crate) struct FastDone {
     shared: Arc<Shared>,
     shard: usize,
     class: usize,
     cost: u64,
     /// When it was submitted (and dispatched: the same instant), on the dispatcher's clock.
     at: Duration,
+}
+
+impl FastDone {
+    /// A request that [`Shared::try_fast`] let go at `now` for `shard`: its dispatch is recorded
+    /// (a queue wait of zero; for the metrics it entered and left its queue at once).
+    pub(crate) fn start(
+        shared: &Arc<Shared>,
+        shard: usize,
+        class: usize,
+        (cost, bytes): (u64, u64),
+        now: Duration,
+    ) -> Self {
+        shared
+            .fast_recorder(shard, class)
+            .dispatched(bytes, cost, Duration::ZERO);
+        #[cfg(feature = "metrics")]
+        {
+            let name = shared.classes.get(class).config.name();
+            crate::metrics::class_queued(name);
+            crate::metrics::class_dispatched(name, bytes, cost, Duration::ZERO);
+        }
+        FastDone {
+            shared: shared.clone(),
+            shard,
+            class,
+            cost,
+            at: now,
+        }
+    }
 }
 
 impl Drop for FastDone {
@@ -66,23 +96,7 @@ where
     F: Future + Send + 'static,
     F::Output: Send + 'static,
 {
-    shared
-        .fast_recorder(shard, class)
-        .dispatched(bytes, cost, Duration::ZERO);
-    #[cfg(feature = "metrics")]
-    crate::metrics::class_dispatched(
-        shared.classes.get(class).config.name(),
-        bytes,
-        cost,
-        Duration::ZERO,
-    );
-    let done = FastDone {
-        shared: shared.clone(),
-        shard,
-        class,
-        cost,
-        at: now,
-    };
+    let done = FastDone::start(shared, shard, class, (cost, bytes), now);
     let (result, rx) = oneshot::channel();
     let guarded = Guarded::new(fut);
     let run: BoxFuture = Box::pin(async move {

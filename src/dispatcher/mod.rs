@@ -79,5 +79,6 @@ pub use handle::{IoHandle, SplitHandle};
 pub use spawn::{current_shard, ShardHandle, ShardJoinHandle};
 pub use stats::{ClassStats, DispatcherStats, ShardStats};
 
+pub(crate) use fast::FastDone;
 pub(crate) use spawn::on_any_shard;
 pub(crate) use state::{ArcClock, Shared};

@@ -365,10 +365,7 @@ async fn run(
             // Counted by the sender while in the channel (after the queue counted it).
             shared.classes.queued_sub(class);
         }
-        Msg::Stats(reply) => reply.send(ShardStats {
-            shard: index,
-            classes: core.borrow().stats(),
-        }),
+        Msg::Stats(reply) => reply.send(ShardStats::new(&shared, index, core.borrow().stats())),
         Msg::Shutdown(mode) => {
             if *closing != Some(ShutdownMode::Cancel) {
                 *closing = Some(mode);
@@ -511,10 +508,7 @@ async fn run(
     while inflight.count.get() > 0 {
         inflight.idle.notified().await;
     }
-    let stats = ShardStats {
-        shard: index,
-        classes: core.borrow().stats(),
-    };
+    let stats = ShardStats::new(&shared, index, core.borrow().stats());
     if let Ok(mut slot) = shared.final_stats.lock() {
         slot[index] = Some(stats);
     }

@@ -74,6 +74,8 @@ impl Live {
     pub(crate) fn new(shared: Arc<Shared>, shard: usize) -> Self {
         // Relaxed: a load figure for choosing a shard; nothing is published with it.
         shared.spawned[shard].fetch_add(1, Ordering::Relaxed);
+        // Relaxed: a statistic.
+        shared.tasks_spawned[shard].fetch_add(1, Ordering::Relaxed);
         Live { shared, shard }
     }
 }

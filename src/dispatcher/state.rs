@@ -65,6 +65,8 @@ pub(crate) struct Shared {
     pub(crate) closed: AtomicU64,
     /// One per shard: its spawned tasks not yet ended (see `spawn::Live`).
     pub(crate) spawned: Vec<AtomicU64>,
+    /// One per shard: the tasks ever handed to it by `spawn_on` (see `spawn::Live`).
+    pub(crate) tasks_spawned: Vec<AtomicU64>,
     /// One per shard: how many times its thread parked with nothing queued. Counted only in
     /// the crate's own unit tests (of the idle poll): release builds carry no such field.
     #[cfg(test)]
@@ -179,6 +181,7 @@ impl Shared {
                 .collect(),
             closed: AtomicU64::new(0),
             spawned: (0..shards).map(|_| AtomicU64::new(0)).collect(),
+            tasks_spawned: (0..shards).map(|_| AtomicU64::new(0)).collect(),
         }
     }
 
@@ -218,7 +221,9 @@ impl Shared {
     /// `shard`, goes at once from the caller's thread, and if so takes its tokens and charges
     /// its class. It goes only when nothing could tell it apart from a request the shard
     /// dispatched at once: no request of its class waits anywhere (FIFO within the class), the
-    /// cross-shard fairness rules let its class reserve now (the shares between classes), its
+    /// cross-shard fairness rules let its class reserve now and no class with requests waiting
+    /// is behind it in virtual time (the shares between classes: it takes no tokens its shard
+    /// would give a waiting class first), its
     /// in-flight bound has room, and the bucket holds its tokens now (nobody's reservation is
     /// owed tokens). Not with a checkpoint gate, latency targets or a bandwidth cap on the
     /// class: those keep the shard's path.
@@ -229,6 +234,7 @@ impl Shared {
             || self.classes.any_queued(class)
             || self.classes.has_cap(class)
             || self.classes.may_go_now(class, shard).is_err()
+            || !self.classes.first_among_waiting(class)
         {
             return false;
         }

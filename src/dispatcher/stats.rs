@@ -14,6 +14,10 @@ use std::time::Duration;
 
 use hdrhistogram::Histogram;
 
+use crate::sync::Ordering;
+
+use super::state::Shared;
+
 /// Durations are recorded in nanoseconds from 1 ns to one hour, with 2 significant digits
 /// (percentiles within 1%); longer ones count as one hour.
 const MAX_WAIT_NS: u64 = 3_600_000_000_000;
@@ -272,9 +276,25 @@ pub struct ShardStats {
     pub shard: usize,
     /// Per class.
     pub classes: Vec<ClassStats>,
+    /// Tasks handed to this shard by [`Dispatcher::spawn_on`](super::Dispatcher::spawn_on)
+    /// and [`Dispatcher::spawn`](super::Dispatcher::spawn) (a counter).
+    pub tasks_spawned: u64,
+    /// Those tasks not yet ended, at the snapshot (a gauge).
+    pub tasks_running: u64,
 }
 
 impl ShardStats {
+    /// A snapshot of shard `shard`: its classes' figures, its task counts read from `shared`.
+    pub(crate) fn new(shared: &Shared, shard: usize, classes: Vec<ClassStats>) -> Self {
+        ShardStats {
+            shard,
+            classes,
+            // Relaxed: figures for a snapshot; nothing is published with them.
+            tasks_spawned: shared.tasks_spawned[shard].load(Ordering::Relaxed),
+            tasks_running: shared.spawned[shard].load(Ordering::Relaxed),
+        }
+    }
+
     /// Tokens dispatched by this shard, all classes.
     pub fn tokens(&self) -> u64 {
         self.classes.iter().map(|c| c.tokens).sum()
@@ -311,6 +331,16 @@ impl DispatcherStats {
         self.classes.iter().map(|c| c.tokens).sum()
     }
 
+    /// Tasks handed to the shards by `spawn_on` and `spawn`, all shards.
+    pub fn tasks_spawned(&self) -> u64 {
+        self.shards.iter().map(|s| s.tasks_spawned).sum()
+    }
+
+    /// Those tasks not yet ended, all shards.
+    pub fn tasks_running(&self) -> u64 {
+        self.shards.iter().map(|s| s.tasks_running).sum()
+    }
+
     /// What happened since `earlier` (an earlier snapshot of the same dispatcher): counters and
     /// latency histograms of the interval, gauges as of `self`.
     pub fn since(&self, earlier: &DispatcherStats) -> DispatcherStats {
@@ -325,6 +355,8 @@ impl DispatcherStats {
                 .map(|(n, t)| ShardStats {
                     shard: n.shard,
                     classes: diff(&n.classes, &t.classes),
+                    tasks_spawned: n.tasks_spawned.saturating_sub(t.tasks_spawned),
+                    tasks_running: n.tasks_running,
                 })
                 .collect(),
             classes: diff(&self.classes, &earlier.classes),
@@ -361,10 +393,14 @@ mod tests {
             ShardStats {
                 shard: 1,
                 classes: vec![first.clone()],
+                tasks_spawned: 0,
+                tasks_running: 0,
             },
             ShardStats {
                 shard: 0,
                 classes: vec![first],
+                tasks_spawned: 0,
+                tasks_running: 0,
             },
         ]);
         assert_eq!(shards.classes[0].requests, 200);
@@ -428,10 +464,14 @@ mod latency_tests {
             ShardStats {
                 shard: 0,
                 classes: vec![early],
+                tasks_spawned: 0,
+                tasks_running: 0,
             },
             ShardStats {
                 shard: 1,
                 classes: vec![late],
+                tasks_spawned: 0,
+                tasks_running: 0,
             },
         ]);
         let c = &all.classes[0];

@@ -1560,3 +1560,35 @@ fn a_saturating_class_gets_the_rate_from_a_disk_that_keeps_the_pace_on_average()
         sim.drain();
     }
 }
+
+/// A class with requests waiting and a smaller virtual time is served first: a request from a
+/// caller does not take the tokens its shard would give that class, even with a lead the
+/// fairness window would allow between shards.
+#[test]
+fn a_request_from_its_caller_does_not_overtake_a_waiting_class_behind_it() {
+    let mut b = builder(1).capped(false).caller_dispatch(true);
+    let fg = b.add_class(ClassConfig::new("fg", 400)).unwrap();
+    let bg = b.add_class(ClassConfig::new("bg", 100)).unwrap();
+    let (shared, _) = b.shared().unwrap();
+    let mut core = ShardCore::<Flag>::new(shared.clone(), 0);
+    let cost = shared.disk.cost(&IoRequest::read(4096));
+    shared.budget.replenish_at(Duration::ZERO);
+    let (entry, _) = flagged(bg, cost);
+    core.enqueue(entry);
+    // fg just ahead of the waiting bg.
+    while crate::bucket::ahead(shared.classes.vtime(fg.0), shared.classes.vtime(bg.0)) <= 0 {
+        shared.classes.charge(fg.0, 0, cost);
+    }
+    assert!(
+        shared.classes.may_go_now(fg.0, 0).is_ok(),
+        "within the window"
+    );
+    assert!(shared.budget.available() >= 2 * cost, "tokens there");
+    assert!(!shared.try_fast(fg.0, 0, cost, Duration::ZERO));
+    // bg served: nothing waits behind fg any more.
+    let mut went = 0;
+    assert_eq!(core.poll(Duration::ZERO, &mut |_| went += 1), Next::Idle);
+    assert_eq!(went, 1);
+    assert!(shared.try_fast(fg.0, 0, cost, Duration::ZERO));
+    core.drain();
+}

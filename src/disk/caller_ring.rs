@@ -1,0 +1,390 @@
+//! The caller's own io_uring: under [caller dispatch](crate::DispatcherBuilder::caller_dispatch),
+//! a [`ThrottledFile`](super::ThrottledFile) piece that may go at once
+//! ([`Dispatcher::try_fast_costed`]) is issued from the thread that submits it, on a ring of
+//! that thread's, and its completion is reaped by a task on the caller's tokio runtime (woken by
+//! the runtime's I/O driver through the ring's eventfd): no shard thread wakes for it.
+//!
+//! One ring per thread and runtime, made on first use. A ring and the operations in flight on it
+//! are shared (`Arc<Mutex<..>>`): a future that moves to another worker of a multi-thread
+//! runtime still gets its completion from the ring it was issued on. An operation's buffer, file
+//! and tokens stay in the ring's table until the kernel posts its completion, whatever became of
+//! its future; if the runtime shuts down with operations in flight, a thread takes over the
+//! reaping until the table is empty, so no buffer is freed under the kernel.
+//!
+//! Anything else keeps the shard's path: no tokio runtime (or one without an I/O driver) on the
+//! calling thread, a call from a shard, the blocking pool, a ring that cannot be made or is full.
+//!
+//! Tested in `tests/disk_caller.rs` (through `ThrottledFile`, with the shard blocked).
+
+use std::cell::RefCell;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::{Mutex, MutexGuard};
+
+use io_uring::{opcode, types, IoUring};
+use slab::Slab;
+use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
+use tokio::runtime::{Handle, Id};
+
+use super::backend::{OpKind, RawIo, Resolved};
+use crate::dispatcher::task::{self, ResultTx};
+use crate::dispatcher::{ClassId, Dispatcher, FastDone, IoHandle, IoRequest};
+use crate::sync::Arc;
+
+/// Submission queue entries per ring.
+const SQ_ENTRIES: u32 = 64;
+/// Completion queue entries per ring; also the most operations one ring keeps in flight.
+const CQ_ENTRIES: u32 = 1024;
+
+/// An operation in flight and everything that must outlive the kernel's use of it.
+struct Op {
+    /// The file and the buffer.
+    io: RawIo,
+    /// Where the kernel's byte count goes (nobody may listen any more).
+    tx: ResultTx<io::Result<usize>>,
+    /// The request's tokens: released when the operation completes, as a shard's are.
+    permit: FastDone,
+}
+
+struct Ring {
+    ring: IoUring,
+    /// In flight, keyed by `user_data`. An entry leaves only when its completion is reaped: a
+    /// key is used again only then.
+    pending: Slab<Op>,
+    /// The thread-local that made it let go of it: the reaper ends once `pending` is empty.
+    closing: bool,
+    /// The reaper task is gone (its runtime shut down): nothing new is issued here.
+    dead: bool,
+}
+
+/// A ring shared by the threads that issue on it and its reaper.
+pub(super) struct CallerRing {
+    inner: Mutex<Ring>,
+    /// Registered with the ring: the kernel adds to it for every completion. Non-blocking.
+    eventfd: OwnedFd,
+}
+
+impl CallerRing {
+    fn new() -> io::Result<Arc<CallerRing>> {
+        let ring = IoUring::builder()
+            .setup_cqsize(CQ_ENTRIES)
+            .build(SQ_ENTRIES)?;
+        // SAFETY: plain syscall with no pointers.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `fd` was just returned by eventfd and is owned by nothing else.
+        let eventfd = unsafe { OwnedFd::from_raw_fd(fd) };
+        ring.submitter().register_eventfd(eventfd.as_raw_fd())?;
+        Ok(Arc::new(CallerRing {
+            inner: Mutex::new(Ring {
+                ring,
+                pending: Slab::new(),
+                closing: false,
+                dead: false,
+            }),
+            eventfd,
+        }))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Ring> {
+        // A panic under the lock loses at most the I/O of that call; the table stays whole.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Raises the eventfd's count, so that the reaper runs.
+    fn notify(&self) {
+        let one: u64 = 1;
+        // SAFETY: writes 8 bytes from a live local to our own eventfd.
+        let _ = unsafe {
+            libc::write(
+                self.eventfd.as_raw_fd(),
+                (&one as *const u64).cast(),
+                std::mem::size_of::<u64>(),
+            )
+        };
+    }
+
+    /// Resets the eventfd's count (non-blocking).
+    fn drain_eventfd(&self) {
+        let mut count = [0u8; 8];
+        // SAFETY: reads at most 8 bytes into a live local buffer of 8 bytes.
+        let _ = unsafe { libc::read(self.eventfd.as_raw_fd(), count.as_mut_ptr().cast(), 8) };
+    }
+
+    /// Sleeps until the eventfd's count is non-zero (or a signal interrupts).
+    fn wait_eventfd(&self) {
+        let mut pfd = libc::pollfd {
+            fd: self.eventfd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one live `pollfd`, count 1, no timeout.
+        let _ = unsafe { libc::poll(&mut pfd, 1, -1) };
+    }
+
+    /// Hands every completion posted so far to its future and releases its tokens; whether the
+    /// ring is done (let go of, and nothing in flight).
+    fn reap(&self) -> bool {
+        let (done, finished) = {
+            let mut g = self.lock();
+            let stalled = {
+                let sq = g.ring.submission();
+                !sq.is_empty() || sq.cq_overflow()
+            };
+            if stalled {
+                // Entries left by a failed submit, or completions held back after an overflow.
+                let _ = g.ring.submit();
+            }
+            let Ring { ring, pending, .. } = &mut *g;
+            let done: Vec<(Op, i32)> = ring
+                .completion()
+                .filter_map(|cqe| {
+                    let key = usize::try_from(cqe.user_data()).ok()?;
+                    Some((pending.try_remove(key)?, cqe.result()))
+                })
+                .collect();
+            (done, g.closing && g.pending.is_empty())
+        };
+        for (Op { io, tx, permit }, res) in done {
+            // The kernel is done with the buffer: our hold goes first, so that the owner finds
+            // it unshared; then the result; then the tokens (the order a shard's request ends
+            // in).
+            drop(io);
+            let out = if res < 0 {
+                Err(io::Error::from_raw_os_error(-res))
+            } else {
+                Ok(res as usize)
+            };
+            let _ = tx.send(Ok(out));
+            drop(permit);
+        }
+        finished
+    }
+}
+
+/// The eventfd of a ring, kept open by the `Arc` for as long as the registration lives.
+struct EventFd(Arc<CallerRing>);
+
+impl AsRawFd for EventFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0.eventfd.as_raw_fd()
+    }
+}
+
+/// Marks the ring dead when its reaper task ends (its runtime shut down, or it stopped on an
+/// error), and gives what is still in flight to a thread.
+struct ReaperGuard(Arc<CallerRing>);
+
+impl Drop for ReaperGuard {
+    fn drop(&mut self) {
+        let mut g = self.0.lock();
+        g.dead = true;
+        if g.pending.is_empty() {
+            return;
+        }
+        let ring = self.0.clone();
+        let spawned = std::thread::Builder::new()
+            .name("iothrottle-caller-reaper".into())
+            .spawn(move || loop {
+                ring.drain_eventfd();
+                ring.reap();
+                if ring.lock().pending.is_empty() {
+                    return;
+                }
+                ring.wait_eventfd();
+            });
+        if let Err(e) = spawned {
+            // Nobody can reap: never free a buffer the kernel may still write.
+            tracing::error!("cannot start an io_uring reaper thread ({e}); leaking the ring");
+            std::mem::forget(self.0.clone());
+        }
+    }
+}
+
+/// The reaper: woken by the runtime's I/O driver when the eventfd is readable. `_guard` is
+/// moved in, so that it drops with the future even if the future never ran (spawned on a
+/// runtime already shutting down).
+async fn reap_task(afd: AsyncFd<EventFd>, _guard: ReaperGuard) {
+    let ring = afd.get_ref().0.clone();
+    loop {
+        let mut ready = match afd.readable().await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!("io_uring eventfd not pollable ({e}); reaping on a thread");
+                return;
+            }
+        };
+        // Cleared before the count is reset: a completion posted after it makes the fd
+        // readable again, so none is missed.
+        ready.clear_ready();
+        ring.drain_eventfd();
+        if ring.reap() {
+            return;
+        }
+    }
+}
+
+/// The calling thread's ring and the runtime its reaper runs on; let go of when the thread
+/// exits or the thread moves to another runtime.
+struct Local(Option<(Id, Arc<CallerRing>)>);
+
+impl Local {
+    fn release(&mut self) {
+        if let Some((_, ring)) = self.0.take() {
+            ring.lock().closing = true;
+            ring.notify();
+        }
+    }
+}
+
+impl Drop for Local {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+thread_local! {
+    static LOCAL: RefCell<Local> = const { RefCell::new(Local(None)) };
+}
+
+/// The calling thread's ring for the runtime `rt`, made (with its reaper task) if there is none
+/// or the one there serves another runtime or lost its reaper.
+fn local_ring(rt: &Handle) -> Option<Arc<CallerRing>> {
+    LOCAL
+        .try_with(|l| {
+            let mut l = l.borrow_mut();
+            if let Some((id, ring)) = &l.0 {
+                if *id == rt.id() && !ring.lock().dead {
+                    return Some(ring.clone());
+                }
+            }
+            l.release();
+            if NO_IO
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .contains(&rt.id())
+            {
+                return None;
+            }
+            let ring = match CallerRing::new() {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::debug!("no caller io_uring ({e}); using the shards' rings");
+                    return None;
+                }
+            };
+            let afd = register(rt, &ring)?;
+            rt.spawn(reap_task(afd, ReaperGuard(ring.clone())));
+            l.0 = Some((rt.id(), ring.clone()));
+            Some(ring)
+        })
+        .ok()
+        .flatten()
+}
+
+/// Runtimes found without an I/O driver (the most recent few): their callers keep the shards'
+/// path.
+static NO_IO: Mutex<Vec<Id>> = Mutex::new(Vec::new());
+
+/// The ring's eventfd registered with `rt`'s I/O driver; `None` when `rt` has none (or the
+/// registration fails).
+fn register(rt: &Handle, ring: &Arc<CallerRing>) -> Option<AsyncFd<EventFd>> {
+    let _enter = rt.enter();
+    // tokio offers no way to ask whether a runtime has its I/O driver: registering without one
+    // panics, so that is caught (once per runtime: the answer is remembered).
+    let registered = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        // SAFETY: `EventFd` returns the ring's eventfd, which the `Arc` it holds keeps open
+        // (the `OwnedFd` is closed only with the last `Arc<CallerRing>`, and the `AsyncFd` owns
+        // one) and which is never replaced.
+        unsafe { AsyncFd::register_with_interest(EventFd(ring.clone()), Interest::READABLE) }
+    }));
+    match registered {
+        Ok(Ok(afd)) => Some(afd),
+        Ok(Err(e)) => {
+            tracing::debug!("caller io_uring not pollable ({e}); using the shards' rings");
+            None
+        }
+        Err(_) => {
+            let mut no_io = NO_IO.lock().unwrap_or_else(|p| p.into_inner());
+            if no_io.len() >= 16 {
+                no_io.remove(0);
+            }
+            no_io.push(rt.id());
+            None
+        }
+    }
+}
+
+/// A piece's result: the kernel's byte count.
+pub(super) type PieceHandle = IoHandle<io::Result<usize>>;
+
+/// Issues `io` (a request of `class` costing `cost`, for `shard`) on the caller's ring when it
+/// may go at once; otherwise gives it back, untouched and with nothing charged, for the shard's
+/// path.
+pub(super) fn try_issue(
+    dispatcher: &Dispatcher,
+    backend: Resolved,
+    (shard, class): (usize, ClassId),
+    request: &IoRequest,
+    cost: u64,
+    io: RawIo,
+) -> Result<PieceHandle, RawIo> {
+    if backend != Resolved::IoUring
+        || !dispatcher.caller_dispatch()
+        || crate::dispatcher::on_any_shard()
+        || io.kind == OpKind::Fallocate
+    {
+        return Err(io);
+    }
+    let Ok(rt) = Handle::try_current() else {
+        return Err(io);
+    };
+    let Ok(len) = u32::try_from(io.len) else {
+        return Err(io);
+    };
+    let Some(ring) = local_ring(&rt) else {
+        return Err(io);
+    };
+    let mut g = ring.lock();
+    if g.dead || g.pending.len() >= CQ_ENTRIES as usize {
+        return Err(io);
+    }
+    if g.ring.submission().is_full() && (g.ring.submit().is_err() || g.ring.submission().is_full())
+    {
+        return Err(io);
+    }
+    // From here the entry is sure to be queued: the tokens are taken only now.
+    let Some(permit) = dispatcher.try_fast_costed(shard, class, request, cost) else {
+        return Err(io);
+    };
+    let fd = types::Fd(io.file.as_raw_fd());
+    let id = g.pending.vacant_key();
+    let entry = match io.kind {
+        OpKind::Read => opcode::Read::new(fd, io.ptr(), len)
+            .offset(io.offset)
+            .build(),
+        _ => opcode::Write::new(fd, io.ptr(), len)
+            .offset(io.offset)
+            .build(),
+    }
+    .user_data(id as u64);
+    // SAFETY: the entry's buffer (`io.buf`, range `start..start+len`, exclusive to this
+    // operation by `RawIo`'s invariant) and file stay alive until the reaper takes the
+    // completion: `io` goes into `pending` below, under the same lock, before the entry is
+    // submitted, and only `reap` removes it, after the kernel posted the completion.
+    let pushed = unsafe { g.ring.submission().push(&entry) };
+    debug_assert!(pushed.is_ok(), "room was checked under the lock");
+    let (tx, handle) = task::channel();
+    let key = g.pending.insert(Op { io, tx, permit });
+    debug_assert_eq!(key, id);
+    if let Err(e) = g.ring.submit() {
+        // The entry stays queued (its buffer held in `pending`); the reaper submits it.
+        tracing::warn!("io_uring submit failed ({e}); the reaper retries");
+        drop(g);
+        ring.notify();
+    }
+    Ok(handle)
+}

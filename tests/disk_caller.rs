@@ -1,0 +1,425 @@
+#![cfg(feature = "rt")] // the tokio layers; the bucket alone is tested without them
+//! `ThrottledFile` under caller dispatch: a piece that may go at once is issued on the caller's
+//! own io_uring and completes with the only shard's thread blocked; what does not qualify keeps
+//! the shard's path.
+
+use std::future::Future;
+use std::os::fd::FromRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::Duration;
+
+use iothrottle::disk::{AlignedBuf, Backend, FileOptions, IoBuf, ThrottledFile, ALIGN};
+use iothrottle::dispatcher::{ClassConfig, ClassId, DiskModel, Dispatcher, Figures};
+
+/// A liveness bound only: a test that would hang fails after it instead.
+const GUARD: Duration = Duration::from_secs(60);
+
+fn scratch() -> tempfile::TempDir {
+    tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap()
+}
+
+/// One unpinned shard over a fast modelled disk, one class, caller dispatch on.
+fn dispatcher() -> (Arc<Dispatcher>, ClassId) {
+    let d = Dispatcher::builder()
+        .shards(1)
+        .pin_threads(false)
+        .capped(true)
+        .caller_dispatch(true)
+        .disk(DiskModel::symmetric(Figures {
+            iops: 100_000,
+            bandwidth: 1_000_000_000,
+        }))
+        .class(ClassConfig::new("io", 100))
+        .build()
+        .unwrap();
+    let class = d.class_id("io").unwrap();
+    (Arc::new(d), class)
+}
+
+/// Blocks the only shard's thread until the returned sender is dropped.
+fn block_shard(d: &Dispatcher) -> mpsc::Sender<()> {
+    let (tx, rx) = mpsc::channel::<()>();
+    let (started_tx, started) = mpsc::channel();
+    drop(d.spawn_on(0, move || async move {
+        started_tx.send(()).unwrap();
+        let _ = rx.recv();
+    }));
+    started.recv().unwrap();
+    tx
+}
+
+fn options(backend: Backend) -> FileOptions {
+    FileOptions {
+        backend,
+        max_piece: Some(16 * 1024),
+        ..FileOptions::read_write()
+    }
+}
+
+fn stamp(i: usize) -> Vec<u8> {
+    (0..4 * ALIGN).map(|b| (i * 31 + b / 512) as u8).collect()
+}
+
+/// Writes and reads back blocks one piece at a time (each goes at once) while the shard is
+/// blocked, then a large transfer (more pieces than the bucket holds at once: some queue on the
+/// shard) once it is free again.
+async fn round_trip(d: Arc<Dispatcher>, f: Arc<ThrottledFile>) {
+    let blocked = block_shard(&d);
+    for i in 0..8 {
+        let at = (i * 4 * ALIGN) as u64;
+        let (res, _) = f
+            .write_at(AlignedBuf::from_slice(&stamp(i)).unwrap(), at)
+            .await;
+        res.unwrap();
+        let (n, back) = f.read_at(AlignedBuf::zeroed(4 * ALIGN).unwrap(), at).await;
+        assert_eq!(n.unwrap(), 4 * ALIGN);
+        assert!(back[..] == stamp(i)[..], "block {i} read back");
+        // A future that moves: read again from a task of its own (another worker on a
+        // multi-thread runtime).
+        let g = f.clone();
+        let (n, back) =
+            tokio::spawn(
+                async move { g.read_at(AlignedBuf::zeroed(4 * ALIGN).unwrap(), at).await },
+            )
+            .await
+            .unwrap();
+        assert_eq!(n.unwrap(), 4 * ALIGN);
+        assert!(back[..] == stamp(i)[..], "block {i} read back from a task");
+    }
+    drop(blocked);
+    let len = 1 << 20;
+    let data: Vec<u8> = (0..len).map(|i| (i * 7 + i / 4096) as u8).collect();
+    let (res, _) = f.write_at(AlignedBuf::from_slice(&data).unwrap(), 0).await;
+    res.unwrap();
+    let (n, back) = f.read_at(AlignedBuf::zeroed(len).unwrap(), 0).await;
+    assert_eq!(n.unwrap(), len);
+    assert!(back[..] == data[..], "1 MiB read back");
+}
+
+fn check_accounted(d: &Dispatcher, rt: &tokio::runtime::Runtime, requests: u64) {
+    let stats = rt.block_on(d.stats());
+    let c = &stats.classes[0];
+    assert_eq!(c.requests, requests, "every piece counted once");
+    assert_eq!(c.completed, requests);
+    assert_eq!(c.in_flight, 0);
+    let s = d.bucket_state();
+    assert_eq!(
+        s.ceil.unwrap().wrapping_sub(s.tail),
+        d.limit(),
+        "every token back"
+    );
+}
+
+fn in_time<F: Future>(rt: &tokio::runtime::Runtime, f: F) -> F::Output {
+    rt.block_on(async {
+        tokio::time::timeout(GUARD, f)
+            .await
+            .expect("an I/O waited for the blocked shard")
+    })
+}
+
+#[test]
+fn caller_dispatched_io_round_trips_on_a_current_thread_runtime_with_the_shard_blocked() {
+    let dir = scratch();
+    let (d, class) = dispatcher();
+    let path = dir.path().join("data");
+    let f =
+        Arc::new(ThrottledFile::open(d.clone(), class, path, options(Backend::IoUring)).unwrap());
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    in_time(&rt, round_trip(d.clone(), f));
+    // 8 × (1 write + 2 reads) of one piece, then 64 + 64 pieces.
+    check_accounted(&d, &rt, 8 * 3 + 128);
+    d.shutdown();
+}
+
+#[test]
+fn caller_dispatched_io_round_trips_on_a_multi_thread_runtime_with_the_shard_blocked() {
+    let dir = scratch();
+    let (d, class) = dispatcher();
+    let path = dir.path().join("data");
+    let f =
+        Arc::new(ThrottledFile::open(d.clone(), class, path, options(Backend::IoUring)).unwrap());
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(3)
+        .enable_all()
+        .build()
+        .unwrap();
+    let task = rt.spawn(round_trip(d.clone(), f));
+    in_time(&rt, task).unwrap();
+    check_accounted(&d, &rt, 8 * 3 + 128);
+    d.shutdown();
+}
+
+/// A caller's buffer that records when it is dropped.
+struct Watched {
+    buf: AlignedBuf,
+    dropped: Arc<AtomicBool>,
+}
+
+impl Drop for Watched {
+    fn drop(&mut self) {
+        self.dropped.store(true, Ordering::SeqCst);
+    }
+}
+
+// SAFETY: delegates to the `AlignedBuf` it owns, whose memory does not move with `Watched`.
+unsafe impl IoBuf for Watched {
+    fn stable_ptr(&self) -> *const u8 {
+        self.buf.stable_ptr()
+    }
+    fn bytes_init(&self) -> usize {
+        self.buf.bytes_init()
+    }
+    fn bytes_total(&self) -> usize {
+        self.buf.bytes_total()
+    }
+}
+
+/// A write into a full pipe stays in flight on the caller's ring; its future is dropped. The
+/// buffer lives and the tokens stay taken until the kernel completes the write; then both go,
+/// and shutdown does not wait for anything.
+/// A `ThrottledFile` on the write end of an O_DIRECT pipe whose one-page buffer is full (the
+/// next write stays in flight until the read end is read), the read end, and its dispatcher.
+fn full_pipe_file() -> (std::fs::File, ThrottledFile, Arc<Dispatcher>) {
+    let mut fds = [0; 2];
+    // SAFETY: `fds` has room for the two descriptors.
+    assert_eq!(
+        unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_DIRECT | libc::O_CLOEXEC) },
+        0
+    );
+    // SAFETY: both descriptors were just made and are owned by nothing else.
+    let (rd, mut wr) = unsafe {
+        (
+            std::fs::File::from_raw_fd(fds[0]),
+            std::fs::File::from_raw_fd(fds[1]),
+        )
+    };
+    // SAFETY: plain fcntl on our own descriptor.
+    assert!(unsafe { libc::fcntl(fds[1], libc::F_SETPIPE_SZ, ALIGN as libc::c_int) } >= 0);
+    std::io::Write::write_all(&mut wr, &[1u8; ALIGN]).unwrap();
+    let (d, class) = dispatcher();
+    let opts = FileOptions {
+        backend: Backend::IoUring,
+        write: true,
+        reserve_writes: false,
+        ..FileOptions::default()
+    };
+    let f = ThrottledFile::from_file(d.clone(), class, wr, "pipe", opts).unwrap();
+    (rd, f, d)
+}
+
+#[test]
+fn a_dropped_caller_dispatched_write_keeps_its_buffer_and_tokens_until_the_kernel_is_done() {
+    let (mut rd, f, d) = full_pipe_file();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let dropped = Arc::new(AtomicBool::new(false));
+    let blocked = block_shard(&d);
+    rt.block_on(async {
+        let buf = Watched {
+            buf: AlignedBuf::from_slice(&[9u8; ALIGN]).unwrap(),
+            dropped: dropped.clone(),
+        };
+        let mut write = Box::pin(f.write_at(buf, 0));
+        std::future::poll_fn(|cx| {
+            assert!(write.as_mut().poll(cx).is_pending(), "the pipe is full");
+            std::task::Poll::Ready(())
+        })
+        .await;
+        drop(write);
+    });
+    assert!(
+        !dropped.load(Ordering::SeqCst),
+        "the kernel still holds the buffer"
+    );
+    let s = d.bucket_state();
+    assert!(
+        s.ceil.unwrap().wrapping_sub(s.tail) < d.limit(),
+        "the write's tokens are held while it is in flight"
+    );
+    // Issued without the shard (it is blocked): make room, the kernel completes it, and the
+    // caller's runtime reaps it.
+    let mut page = vec![0u8; ALIGN];
+    std::io::Read::read_exact(&mut rd, &mut page).unwrap();
+    std::io::Read::read_exact(&mut rd, &mut page).unwrap();
+    assert!(page.iter().all(|&b| b == 9), "the dropped write's bytes");
+    in_time(&rt, async {
+        while !dropped.load(Ordering::SeqCst) {
+            tokio::task::yield_now().await;
+        }
+    });
+    drop(blocked);
+    check_accounted(&d, &rt, 1);
+    drop(rt);
+    d.shutdown();
+}
+
+/// Runs `f` to its end on the calling thread, outside any tokio runtime (parks between polls).
+fn park_on<F: Future>(f: F) -> F::Output {
+    struct Unpark(std::thread::Thread);
+    impl std::task::Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = std::task::Waker::from(Arc::new(Unpark(std::thread::current())));
+    let mut cx = std::task::Context::from_waker(&waker);
+    let mut f = std::pin::pin!(f);
+    loop {
+        if let std::task::Poll::Ready(out) = f.as_mut().poll(&mut cx) {
+            return out;
+        }
+        std::thread::park();
+    }
+}
+
+/// Blocks the shard, starts one 4 KiB read on `rt`, and checks that it does not complete until
+/// the shard is free again: it took the shard's path.
+fn takes_the_shard_path(d: &Dispatcher, f: Arc<ThrottledFile>, rt: &tokio::runtime::Runtime) {
+    let blocked = block_shard(d);
+    let read = rt.spawn(async move { f.read_at(AlignedBuf::zeroed(ALIGN).unwrap(), 0).await.0 });
+    rt.block_on(async {
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+    });
+    assert!(!read.is_finished(), "it cannot complete without the shard");
+    drop(blocked);
+    assert_eq!(in_time(rt, read).unwrap().unwrap(), ALIGN);
+}
+
+#[test]
+fn caller_dispatch_falls_back_to_the_shard_without_an_io_driver_or_on_the_blocking_pool() {
+    let dir = scratch();
+    let path = dir.path().join("data");
+    let (d, class) = dispatcher();
+    let f =
+        Arc::new(ThrottledFile::open(d.clone(), class, &path, options(Backend::IoUring)).unwrap());
+    let io = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (res, _) = io.block_on(f.write_at(AlignedBuf::from_slice(&stamp(1)).unwrap(), 0));
+    res.unwrap();
+    // A runtime without its I/O driver: nothing could reap a caller's ring.
+    let no_io = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    takes_the_shard_path(&d, f.clone(), &no_io);
+    takes_the_shard_path(&d, f.clone(), &no_io);
+    // The blocking pool.
+    let pool =
+        Arc::new(ThrottledFile::open(d.clone(), class, &path, options(Backend::Blocking)).unwrap());
+    takes_the_shard_path(&d, pool, &io);
+    // Outside any runtime: the future is polled by another executor.
+    let blocked = block_shard(&d);
+    let (tx, rx) = mpsc::channel();
+    let g = f.clone();
+    let reader = std::thread::spawn(move || {
+        let out = park_on(g.read_at(AlignedBuf::zeroed(ALIGN).unwrap(), 0));
+        tx.send(out.0.unwrap()).unwrap();
+    });
+    assert!(
+        rx.recv_timeout(Duration::from_millis(50)).is_err(),
+        "it cannot complete without the shard"
+    );
+    drop(blocked);
+    assert_eq!(rx.recv_timeout(GUARD).unwrap(), ALIGN);
+    reader.join().unwrap();
+    // The same file, on a runtime with its driver, goes from the caller again.
+    let blocked = block_shard(&d);
+    let (n, _) = in_time(&io, f.read_at(AlignedBuf::zeroed(ALIGN).unwrap(), 0));
+    assert_eq!(n.unwrap(), ALIGN);
+    drop(blocked);
+    check_accounted(&d, &io, 1 + 2 + 1 + 1 + 1);
+    d.shutdown();
+}
+
+/// The caller's runtime shuts down with a write in flight on its ring: a thread takes over the
+/// reaping, so the buffer lives until the kernel completes the write and the tokens come back
+/// then; nothing hangs.
+#[test]
+fn a_runtime_shut_down_mid_io_leaves_the_write_to_a_reaper_thread() {
+    let (mut rd, f, d) = full_pipe_file();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let dropped = Arc::new(AtomicBool::new(false));
+    let blocked = block_shard(&d);
+    let f = Arc::new(f);
+    let writer = f.clone();
+    let buf = Watched {
+        buf: AlignedBuf::from_slice(&[5u8; ALIGN]).unwrap(),
+        dropped: dropped.clone(),
+    };
+    let write = rt.spawn(async move { writer.write_at(buf, 0).await.0 });
+    rt.block_on(async {
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+    });
+    assert!(!write.is_finished(), "the pipe is full");
+    drop(rt);
+    assert!(!dropped.load(Ordering::SeqCst), "the kernel still holds it");
+    let mut page = vec![0u8; ALIGN];
+    std::io::Read::read_exact(&mut rd, &mut page).unwrap();
+    std::io::Read::read_exact(&mut rd, &mut page).unwrap();
+    assert!(
+        page.iter().all(|&b| b == 5),
+        "written from the caller's ring"
+    );
+    let waited = std::time::Instant::now();
+    while !dropped.load(Ordering::SeqCst) {
+        assert!(waited.elapsed() < GUARD, "the completion was never reaped");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    drop(blocked);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    check_accounted(&d, &rt, 1);
+    d.shutdown();
+}
+
+/// A thread that leaves one runtime for another (the first still alive, but no longer driven)
+/// gets a ring reaped by the second: its I/O completes with the shard blocked.
+#[test]
+fn a_thread_moving_to_another_runtime_gets_a_ring_reaped_there() {
+    let dir = scratch();
+    let (d, class) = dispatcher();
+    let path = dir.path().join("data");
+    let f = ThrottledFile::open(d.clone(), class, path, options(Backend::IoUring)).unwrap();
+    let first = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let second = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let blocked = block_shard(&d);
+    let (res, _) = in_time(
+        &first,
+        f.write_at(AlignedBuf::from_slice(&stamp(3)).unwrap(), 0),
+    );
+    res.unwrap();
+    let (n, back) = in_time(
+        &second,
+        f.read_at(AlignedBuf::zeroed(4 * ALIGN).unwrap(), 0),
+    );
+    assert_eq!(n.unwrap(), 4 * ALIGN);
+    assert!(back[..] == stamp(3)[..]);
+    drop(blocked);
+    check_accounted(&d, &second, 2);
+    drop(first);
+    d.shutdown();
+}
