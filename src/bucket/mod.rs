@@ -8,7 +8,7 @@
 pub(crate) mod error;
 mod give_back;
 mod mode;
-mod price;
+pub(crate) mod price;
 mod rate;
 mod rate_cell;
 mod rovers;
