@@ -111,7 +111,10 @@ fn a_cache_of_a_regime_whose_change_is_not_closed_is_not_taken_for_the_whole_int
         let b = Arc::new(restored::<Uncapped>(old(), 1_000, 1, 0, None));
         // A change at 10 published and never closed (its writer stopped): `last` stays at 0,
         // before the new regime's epoch.
-        assert_eq!(b.loom_set_rate_stopping_at(new(), Duration::from_nanos(10), 13), None);
+        assert_eq!(
+            b.loom_set_rate_stopping_at(new(), Duration::from_nanos(10), 13),
+            None
+        );
         // The first replenish to price caches the new regime; one that then finds it cached
         // while `last` is still 0 (the first lost its CAS, or has not made it) must price
         // [0, 10) at the old rate, not all of it at the new one.

@@ -214,7 +214,8 @@ impl PriceCache {
         }
         self.period_ns.store(price.period_ns, Ordering::Relaxed);
         self.magic_lo.store(price.magic as u64, Ordering::Relaxed);
-        self.magic_hi.store((price.magic >> 64) as u64, Ordering::Relaxed);
+        self.magic_hi
+            .store((price.magic >> 64) as u64, Ordering::Relaxed);
         // Release: publishes the words to readers that Acquire this value.
         self.seq.store(s + 2, Ordering::Release);
         true
@@ -234,7 +235,10 @@ mod tests {
         // 10^9 per second is 1 per ns: no overflow of t × b for 584 years.
         let p = Price::new(raw(1_000_000_000, 1_000_000_000), 5);
         assert_eq!((p.tokens, p.period_ns, p.magic), (1, 1, 0));
-        assert_eq!(p.earned(5 + (1 << 40), 5 + (1 << 62)), (1 << 62) - (1 << 40));
+        assert_eq!(
+            p.earned(5 + (1 << 40), 5 + (1 << 62)),
+            (1 << 62) - (1 << 40)
+        );
     }
 
     #[test]
@@ -242,7 +246,14 @@ mod tests {
         let r = raw(7, 3);
         let p = Price::new(r, 100);
         let edge = u64::MAX / 7;
-        for (a, b) in [(0, 1), (1, 2), (0, 3), (edge - 5, edge), (edge, edge + 1), (3, edge + 9)] {
+        for (a, b) in [
+            (0, 1),
+            (1, 2),
+            (0, 3),
+            (edge - 5, edge),
+            (edge, edge + 1),
+            (3, edge + 9),
+        ] {
             assert_eq!(p.earned(100 + a, 100 + b), r.count_exact(a, b), "{a} {b}");
         }
     }

@@ -22,6 +22,12 @@
 //!   Losers return at once: the winner's interval covers their time. A winner stalled between
 //!   its CAS and its `head` CAS holds back only the tokens of its own interval; the next
 //!   replenish starts from its `now` and proceeds.
+//! - The regime read is, in the common case, only the published ticket (the same Acquire
+//!   fence, then an Acquire load of the cell's `ctl`): the process's price cache
+//!   ([`PriceCache`], its own protocol in `price`) prices the interval when it holds the regime
+//!   of that ticket and `last` is at or after that regime's epoch; otherwise the record is read
+//!   as before (and cached). Both price with the regime the record holds at that point, so
+//!   the argument above is unchanged.
 //! - `set_rate` publishes a new regime (old rate up to the epoch, new rate after) and then
 //!   closes the old rate's interval with the same CAS on `last`; the regime is published before
 //!   `last` passes the epoch, and the regime's writer observed `last ≥ prev_epoch` before
