@@ -10,13 +10,20 @@
 //! callgrind_annotate --inclusive=yes cg.out | grep replenish_cycle::
 //! ```
 //!
+//! A second argument `max` runs the cycle at `Rate::MAX_PER_SECOND` instead.
+//!
 //! Divide each function's inclusive count by the number of cycles (the argument, 10,000 by
-//! default); the replenish-only function shows one replenish with its clock read.
+//! default); `replenish_only` is one replenish with its clock read, `replenish_at_max` one
+//! replenish without a clock read at the highest rate (`bucket/replenish_epoch_lockfree`).
 
 use std::hint::black_box;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use iothrottle::{BucketConfig, Clock, FastClock, Rate, SharedTokenBucket, Uncapped};
+use std::time::Duration;
+
+use iothrottle::{
+    BucketConfig, BucketState, Clock, FastClock, ManualClock, Rate, SharedTokenBucket, Uncapped,
+};
 
 /// Grabs per replenish, as in the criterion bench.
 const EVERY: u64 = 64;
@@ -53,6 +60,13 @@ fn replenish_only<C: Clock>(b: &SharedTokenBucket<Uncapped, C>) {
     black_box(b.replenish());
 }
 
+/// `replenish_at(t)` at the highest rate, `t` one nanosecond later each call, as
+/// `bucket/replenish_epoch_lockfree` does: the replenish alone, no clock read.
+#[inline(never)]
+fn replenish_at_max(b: &SharedTokenBucket<Uncapped, ManualClock>, t: u64) {
+    black_box(b.replenish_at(Duration::from_nanos(t)));
+}
+
 /// 64 × `fetch_add` + `load`: the floor.
 #[inline(never)]
 fn floor(a: &AtomicU64) {
@@ -67,21 +81,42 @@ fn main() {
         .nth(1)
         .map(|s| s.parse().expect("a number of cycles"))
         .unwrap_or(10_000);
-    let disk = bucket(1_000_000_000);
-    let max = bucket(Rate::MAX_PER_SECOND);
+    // The cycle's rate: the dispatcher's 10^9 tokens/s, or the highest (`max`, as
+    // `bucket/iothrottle_grab_deficiency_max_rate/1t`).
+    let per_second = match std::env::args().nth(2).as_deref() {
+        Some("max") => Rate::MAX_PER_SECOND,
+        _ => 1_000_000_000,
+    };
+    let bucket_of_cycle = bucket(per_second);
     let fast = bucket(1_000_000_000);
     let alone = bucket(1_000_000_000);
     let a = AtomicU64::new(0);
-    for _ in 0..cycles {
-        cycle(&disk);
-        cycle(&max);
+    let at_max = SharedTokenBucket::from_state(
+        BucketConfig::new(
+            Rate::per_second(Rate::MAX_PER_SECOND),
+            BucketConfig::MAX_LIMIT,
+        ),
+        ManualClock::new(),
+        BucketState {
+            tail: 0,
+            head: 0,
+            ceil: None,
+        },
+    )
+    .expect("valid config");
+    for i in 0..cycles {
+        cycle(&bucket_of_cycle);
         grabs_only(&fast);
         replenish_only(&alone);
         floor(&a);
+        replenish_at_max(&at_max, i + 1);
     }
-    let added = disk.snapshot().head.wrapping_sub(BucketConfig::MAX_LIMIT);
+    let added = bucket_of_cycle
+        .snapshot()
+        .head
+        .wrapping_sub(BucketConfig::MAX_LIMIT);
     println!(
-        "{cycles} cycles; the 10^9/s bucket added {added} tokens after its first fill ({} grabbed)",
+        "{cycles} cycles; the cycle's bucket added {added} tokens after its first fill ({} grabbed)",
         cycles * EVERY
     );
 }
