@@ -6,7 +6,8 @@
 //! [`Price::earned`], which equals `RawRate::count` of the regime's rate exactly (a proptest
 //! checks it): `floor(t × b / p) − floor(t × a / p)` with each quotient taken by one 128-bit
 //! multiplication by `ceil(2^128 / p)` while `t × b` fits 64 bits (exact for every 64-bit
-//! dividend and divisor, see [`Price::quot`]), and by `count` otherwise. Any other interval
+//! dividend and divisor, see [`Price::quot`]); long after the epoch, from the remainder of
+//! `t × a` the same way while `t × p` fits 64 bits; by `count` otherwise. Any other interval
 //! (before the first replenish, across an unclosed rate change) goes the way it always did,
 //! through the rate record.
 //!
@@ -76,15 +77,32 @@ impl Price {
     pub(crate) fn earned(&self, from: u64, to: u64) -> u128 {
         debug_assert!(self.epoch <= from && from <= to);
         let (a, b) = (from - self.epoch, to - self.epoch);
-        match self.tokens.checked_mul(b) {
+        let t = self.tokens;
+        if let Some(tb) = t.checked_mul(b) {
             // t × a ≤ t × b fits too; floor is monotone, so the difference is not negative.
-            Some(tb) => (self.quot(tb) - self.quot(self.tokens * a)) as u128,
-            None => RawRate {
-                tokens: self.tokens,
-                period_ns: self.period_ns,
-            }
-            .count(a, b),
+            return (self.quot(tb) - self.quot(t * a)) as u128;
         }
+        // Long after the epoch: with t × a = Q × p + R, the count is
+        // floor((t × (b − a) + R) / p), and R = (t × (a mod p)) mod p, which stays in 64 bits
+        // while t × p does (any practical rate), so a short interval still prices without a
+        // division however far the epoch lies behind.
+        if t.checked_mul(self.period_ns).is_some() {
+            let r = self.rem(t * self.rem(a));
+            if let Some(n) = t.checked_mul(b - a).and_then(|n| n.checked_add(r)) {
+                return self.quot(n) as u128;
+            }
+        }
+        RawRate {
+            tokens: t,
+            period_ns: self.period_ns,
+        }
+        .count(a, b)
+    }
+
+    /// `n mod period_ns` without a division.
+    #[inline]
+    fn rem(&self, n: u64) -> u64 {
+        n - self.quot(n) * self.period_ns
     }
 
     /// `floor(n / period_ns)` without a division.
@@ -255,6 +273,24 @@ mod tests {
             (3, edge + 9),
         ] {
             assert_eq!(p.earned(100 + a, 100 + b), r.count_exact(a, b), "{a} {b}");
+        }
+    }
+
+    #[test]
+    fn a_price_counts_exactly_long_after_its_epoch() {
+        // 50 MiB/s is 4096 per 78125 ns: t × b leaves 64 bits 52 days after the epoch.
+        let r = raw(50 << 20, 1_000_000_000);
+        let p = Price::new(r, 0);
+        let day = 86_400_000_000_000u64;
+        // Every offset within a period and a few lengths, so that the remainder of t × a
+        // decides some of the counts.
+        for start in [60 * day, 10_000 * day] {
+            for off in (0..78_125).step_by(97) {
+                for len in [1, 19, 78_124, 1 << 20] {
+                    let a = start + off;
+                    assert_eq!(p.earned(a, a + len), r.count_exact(a, a + len), "{a} {len}");
+                }
+            }
         }
     }
 
