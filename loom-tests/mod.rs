@@ -1,7 +1,7 @@
-//! Loom models of the crate's atomic protocols, one submodule per protocol: the bucket's, the
-//! bucket's deferred give-backs (`throttle_deferred`), the strict checkpoint's
-//! mark/request protocol (`checkpoint_mark`), the dispatcher's fairness counters and fine timer
-//! (`dispatcher_*`).
+//! Loom models of the crate's atomic protocols, one submodule per protocol: the bucket's (and
+//! its replenish's price cache, `price_cache`), the bucket's deferred give-backs
+//! (`throttle_deferred`), the strict checkpoint's mark/request protocol (`checkpoint_mark`),
+//! the dispatcher's fairness counters and fine timer (`dispatcher_*`).
 //!
 //! The models are compiled inside the crate (`src/lib.rs` declares this directory as the private
 //! module `loom_tests` under `cfg(all(test, iothrottle_loom))`), so they reach the crate's
@@ -42,6 +42,7 @@ mod fresh;
 mod grab;
 mod leased;
 mod mixed;
+mod price_cache;
 mod rate;
 mod rate_crash;
 mod replenish;

@@ -20,17 +20,35 @@ use error::ClockError;
 pub trait Clock: Send + Sync {
     /// The time since this clock's origin.
     fn now(&self) -> Duration;
+
+    /// [`now`](Self::now) in whole nanoseconds, saturating at `u64::MAX` (about 584 years):
+    /// what the bucket reads on every replenish. A clock that counts in nanoseconds overrides
+    /// it to skip the `Duration`; it must agree with `now`.
+    #[inline]
+    fn now_nanos(&self) -> u64 {
+        u64::try_from(self.now().as_nanos()).unwrap_or(u64::MAX)
+    }
 }
 
 impl<C: Clock + ?Sized> Clock for &C {
     fn now(&self) -> Duration {
         (**self).now()
     }
+
+    #[inline]
+    fn now_nanos(&self) -> u64 {
+        (**self).now_nanos()
+    }
 }
 
 impl<C: Clock + ?Sized> Clock for std::sync::Arc<C> {
     fn now(&self) -> Duration {
         (**self).now()
+    }
+
+    #[inline]
+    fn now_nanos(&self) -> u64 {
+        (**self).now_nanos()
     }
 }
 
@@ -77,16 +95,27 @@ impl Clock for MonotonicClock {
 /// The first `FastClock` of a process calibrates the counter against the OS clock (up to
 /// 200 ms, once). Copies share the origin. The default clock of
 /// [`KeyedThrottle`](crate::keyed::KeyedThrottle), which reads the time once per check.
+///
+/// A reading is one counter read and one scaling of the difference from the origin (no
+/// thread-local lookup, no lazy initialisation check): every `FastClock` of a process reads
+/// one calibrated `quanta::Clock`.
 #[derive(Clone, Copy)]
 pub struct FastClock {
-    origin: quanta::Instant,
+    clock: &'static quanta::Clock,
+    /// The counter's raw reading at the origin.
+    origin: u64,
 }
+
+/// The process's calibrated counter, shared by every [`FastClock`].
+static FAST_CLOCK: std::sync::OnceLock<quanta::Clock> = std::sync::OnceLock::new();
 
 impl FastClock {
     /// A clock whose origin is now.
     pub fn new() -> Self {
+        let clock = FAST_CLOCK.get_or_init(quanta::Clock::new);
         FastClock {
-            origin: quanta::Instant::now(),
+            clock,
+            origin: clock.raw(),
         }
     }
 }
@@ -106,8 +135,15 @@ impl fmt::Debug for FastClock {
 impl Clock for FastClock {
     #[inline]
     fn now(&self) -> Duration {
-        // quanta's readings never go backwards: `duration_since` saturates at zero.
-        quanta::Instant::now().duration_since(self.origin)
+        Duration::from_nanos(self.now_nanos())
+    }
+
+    #[inline]
+    fn now_nanos(&self) -> u64 {
+        // Raw readings of one invariant counter never go backwards (quanta uses the OS
+        // monotonic clock where the counter is not invariant); a reading not after the origin
+        // gives zero.
+        self.clock.delta_as_nanos(self.origin, self.clock.raw())
     }
 }
 
@@ -213,8 +249,12 @@ impl fmt::Debug for ManualClock {
 
 impl Clock for ManualClock {
     fn now(&self) -> Duration {
+        Duration::from_nanos(self.now_nanos())
+    }
+
+    fn now_nanos(&self) -> u64 {
         // Relaxed: see `advance`.
-        Duration::from_nanos(self.nanos.load(Ordering::Relaxed))
+        self.nanos.load(Ordering::Relaxed)
     }
 }
 

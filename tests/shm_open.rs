@@ -57,6 +57,30 @@ fn replenish_through_one_handle_is_seen_by_the_other_exactly() {
 }
 
 #[test]
+fn a_rate_changed_through_one_handle_prices_the_other_handles_next_replenish() {
+    // Each handle keeps its own cache of the shared rate for its replenishes: a change through
+    // one handle must reach the other's next replenish, whose cache holds the old rate.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("b");
+    let clock = ManualClock::new();
+    clock.set(SystemMonotonicClock.now()).unwrap();
+    let a = SharedTokenBucket::<Uncapped, _>::open_with_clock(&path, cfg(), clock.clone()).unwrap();
+    let b = SharedTokenBucket::<Uncapped, _>::open_with_clock(&path, cfg(), clock.clone()).unwrap();
+    assert_eq!(a.replenish(), 10_000); // the first fill
+    a.grab(10_000);
+    clock.advance(Duration::from_micros(100));
+    assert_eq!(a.replenish(), 100); // 1 per µs, now in `a`'s cache
+    b.set_rate(Rate::per_second(3_000_000)).unwrap();
+    clock.advance(Duration::from_micros(100));
+    assert_eq!(a.replenish(), 300);
+    assert_eq!(b.replenish(), 0);
+    // And back, through the other handle.
+    a.set_rate(Rate::per_second(1_000_000)).unwrap();
+    clock.advance(Duration::from_micros(100));
+    assert_eq!(b.replenish(), 100);
+}
+
+#[test]
 fn a_different_configuration_is_refused_naming_the_setting() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("b");

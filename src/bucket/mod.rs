@@ -8,6 +8,7 @@
 pub(crate) mod error;
 mod give_back;
 mod mode;
+pub(crate) mod price;
 mod rate;
 mod rate_cell;
 mod rovers;
@@ -27,6 +28,7 @@ use error::ConfigError;
 #[cfg(all(feature = "shm", unix, not(iothrottle_loom)))]
 use error::ShmError;
 use give_back::GiveBacks;
+use price::PriceCache;
 use rovers::{Rovers, MAX_TIMESTAMP};
 
 /// How far rover `a` is in front of rover `b`: the wrapping signed difference that every
@@ -170,6 +172,9 @@ pub struct SharedTokenBucket<M: Mode = Uncapped, C: Clock = MonotonicClock> {
     clock: C,
     /// Claims given back before `head` reached them ([`give_back`](Self::give_back)).
     give_backs: GiveBacks,
+    /// The current rate as the common replenish prices with it, kept by this process (a
+    /// bucket in shared memory too: each process has its own).
+    price: PriceCache,
 }
 
 /// Where the rovers live: in the bucket, or in a file mapped by several processes. Every
@@ -215,6 +220,7 @@ impl<M: Mode, C: Clock> SharedTokenBucket<M, C> {
             rovers: Home::Local(Rovers::new(rate, config.limit, config.threshold, 0, now)),
             clock,
             give_backs: GiveBacks::new(),
+            price: PriceCache::new(),
         })
     }
 
@@ -271,6 +277,7 @@ impl<M: Mode, C: Clock> SharedTokenBucket<M, C> {
             )),
             clock,
             give_backs: GiveBacks::new(),
+            price: PriceCache::new(),
         })
     }
 
@@ -319,6 +326,7 @@ impl<M: Mode, C: Clock> SharedTokenBucket<M, C> {
             // Deferred give-backs stay with this process: a claim it gives back is applied
             // when this process next sees `head` reach it (its refunds and replenishes).
             give_backs: GiveBacks::new(),
+            price: PriceCache::new(),
         })
     }
 
@@ -383,16 +391,16 @@ impl<M: Mode, C: Clock> SharedTokenBucket<M, C> {
     /// exactly `floor(rate × (t − t₀))`.
     #[inline]
     pub fn replenish(&self) -> u64 {
-        self.replenish_ns(timestamp(self.clock.now()))
+        self.replenish_ns(self.clock.now_nanos().min(MAX_TIMESTAMP))
     }
 
     #[inline]
     fn replenish_ns(&self, now: u64) -> u64 {
         #[cfg(all(feature = "shm-test-hooks", unix, not(iothrottle_loom)))]
         if let Home::Mapped(m) = &self.rovers {
-            return shm::hooks::replenish(m.rovers(), now);
+            return shm::hooks::replenish(m.rovers(), now, &self.price);
         }
-        self.rovers.replenish(now)
+        self.rovers.replenish(now, &self.price)
     }
 
     /// [`replenish`](Self::replenish) at a time the caller already read from the bucket's clock
@@ -411,7 +419,7 @@ impl<M: Mode, C: Clock> SharedTokenBucket<M, C> {
     /// model stall a replenisher between the two halves.
     #[cfg(all(test, iothrottle_loom))]
     pub(crate) fn loom_claim_at(&self, now: Duration) -> Option<u128> {
-        self.rovers.claim(timestamp(now))
+        self.rovers.claim(timestamp(now), &self.price)
     }
 
     /// The loom models only: the second half of a replenish (see `loom_claim_at`).

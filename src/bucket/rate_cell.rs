@@ -288,6 +288,11 @@ impl RateCell {
 
     /// The current regime (never torn).
     pub(crate) fn load(&self) -> Regime {
+        self.load_ticketed().1
+    }
+
+    /// The current regime and the ticket it was published under (never torn).
+    pub(crate) fn load_ticketed(&self) -> (u32, Regime) {
         // Acquire fence: a caller's Relaxed load just before this call that read a Release
         // store synchronises with it, so `cur` below is at least what was published before
         // that store (see `rovers`).
@@ -296,11 +301,22 @@ impl RateCell {
             // Acquire: pairs with the publishing AcqRel CAS; the record's words are visible.
             let (cur, _) = split(self.ctl.load(Ordering::Acquire));
             if let Some(r) = self.slots[slot_of(cur)].read(cur) {
-                return r;
+                return (cur, r);
             }
             // `cur` moved on while we read (its slot is only reused after that): read again.
             spin_hint();
         }
+    }
+
+    /// The ticket of the regime published now: the one [`load`](Self::load) would read at
+    /// this point (with the same leading Acquire fence), without reading it. A cache of the
+    /// regime published under this ticket holds exactly what `load` would return.
+    #[inline]
+    pub(crate) fn published(&self) -> u32 {
+        // Acquire fence: as in `load_ticketed`.
+        fence(Ordering::Acquire);
+        // Acquire: as in `load_ticketed` (the caller's cache is validated by this ticket).
+        split(self.ctl.load(Ordering::Acquire)).0
     }
 
     /// Replaces the regime by `f(current)`; returns the regime published. `f` may run more

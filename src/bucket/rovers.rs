@@ -22,6 +22,12 @@
 //!   Losers return at once: the winner's interval covers their time. A winner stalled between
 //!   its CAS and its `head` CAS holds back only the tokens of its own interval; the next
 //!   replenish starts from its `now` and proceeds.
+//! - The regime read is, in the common case, only the published ticket (the same Acquire
+//!   fence, then an Acquire load of the cell's `ctl`): the process's price cache
+//!   ([`PriceCache`], its own protocol in `price`) prices the interval when it holds the regime
+//!   of that ticket and `last` is at or after that regime's epoch; otherwise the record is read
+//!   as before (and cached). Both price with the regime the record holds at that point, so
+//!   the argument above is unchanged.
 //! - `set_rate` publishes a new regime (old rate up to the epoch, new rate after) and then
 //!   closes the old rate's interval with the same CAS on `last`; the regime is published before
 //!   `last` passes the epoch, and the regime's writer observed `last ≥ prev_epoch` before
@@ -36,6 +42,7 @@ use crossbeam_utils::CachePadded;
 
 use crate::bucket::mode::private::{CeilRover, Sealed};
 use crate::bucket::mode::Mode;
+use crate::bucket::price::{Price, PriceCache};
 use crate::bucket::rate::RawRate;
 use crate::bucket::rate_cell::{RateCell, Regime, Step};
 use crate::sync::{AtomicU64, Ordering};
@@ -243,8 +250,9 @@ impl<M: Mode> Rovers<M> {
         self.ceil.advance(n);
     }
 
-    /// Replenishes for the time up to `now` (nanoseconds on the bucket's clock). Returns the
-    /// tokens added.
+    /// Replenishes for the time up to `now` (nanoseconds on the bucket's clock), pricing with
+    /// `cache` when it holds the current regime (no record decode, no division) and filling
+    /// it when it does not. Returns the tokens added.
     ///
     /// Does nothing when `now` is not after the last replenish, when fewer than `threshold`
     /// tokens would be added (the time keeps accruing), or when another thread moved `last`
@@ -252,8 +260,8 @@ impl<M: Mode> Rovers<M> {
     /// thread, and a thread stalled anywhere in here holds back only the tokens of the interval
     /// it claimed.
     #[inline]
-    pub(crate) fn replenish(&self, now: u64) -> u64 {
-        match self.claim(now) {
+    pub(crate) fn replenish(&self, now: u64, cache: &PriceCache) -> u64 {
+        match self.claim(now, cache) {
             Some(extra) => self.fill(extra),
             None => 0,
         }
@@ -263,11 +271,12 @@ impl<M: Mode> Rovers<M> {
     /// the interval claimed (the bucket's limit for the first replenish), or `None` when there
     /// is nothing to claim. The caller must [`fill`](Self::fill) them.
     #[inline]
-    pub(crate) fn claim(&self, now: u64) -> Option<u128> {
+    pub(crate) fn claim(&self, now: u64, cache: &PriceCache) -> Option<u128> {
         let now = now.min(MAX_TIMESTAMP);
-        // Relaxed: the regime read below ends with an Acquire fence, which synchronises with the
-        // Release CAS that stored this value (a fence after a load that read a release store),
-        // so that regime is at least the one in force then. Loom checks it.
+        // Relaxed: the regime read below (`published`, or the record) begins with an Acquire
+        // fence, which synchronises with the Release CAS that stored this value (a fence after
+        // a load that read a release store), so that regime is at least the one in force then.
+        // Loom checks it.
         let last = self.repl.last.load(Ordering::Relaxed);
         let extra = if last == FRESH {
             self.limit as u128
@@ -275,7 +284,18 @@ impl<M: Mode> Rovers<M> {
             if now <= last {
                 return None;
             }
-            let extra = self.repl.regime.load().earned(last, now)?;
+            // The regime the record would give here: from the cache when it holds that regime
+            // (same ticket) and the interval lies wholly at its rate, else from the record.
+            let ticket = self.repl.regime.published();
+            let extra = match cache.get(ticket) {
+                Some(price) if last >= price.epoch => price.earned(last, now),
+                Some(_) => self.repl.regime.load().earned(last, now)?,
+                None => {
+                    let (ticket, regime) = self.repl.regime.load_ticketed();
+                    cache.put(ticket, Price::new(regime.rate, regime.epoch));
+                    regime.earned(last, now)?
+                }
+            };
             if extra < self.threshold as u128 {
                 return None;
             }

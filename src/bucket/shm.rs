@@ -359,6 +359,7 @@ pub(crate) mod hooks {
     use std::io::Write as _;
 
     use crate::bucket::mode::Mode;
+    use crate::bucket::price::PriceCache;
     use crate::bucket::rate::RawRate;
     use crate::bucket::rate_cell::{step_code, Step};
     use crate::bucket::rovers::Rovers;
@@ -377,8 +378,8 @@ pub(crate) mod hooks {
 
     /// A replenish that may park between its claim of the interval and its fill
     /// (`replenish.claimed`).
-    pub(crate) fn replenish<M: Mode>(rovers: &Rovers<M>, now: u64) -> u64 {
-        match rovers.claim(now) {
+    pub(crate) fn replenish<M: Mode>(rovers: &Rovers<M>, now: u64, cache: &PriceCache) -> u64 {
+        match rovers.claim(now, cache) {
             Some(extra) => {
                 pause("replenish.claimed");
                 rovers.fill(extra)
