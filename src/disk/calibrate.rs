@@ -82,8 +82,10 @@ pub struct Calibration {
 /// stop growing (two depths in a row add less than 5%, going at least to depth 32), then
 /// sequential reads and writes of [`sequential_size`](CalibrateOptions::sequential_size). All
 /// I/O is O_DIRECT on a scratch file
-/// of [`file_size`](CalibrateOptions::file_size) that is reserved (`fallocate`), written once,
-/// measured with time-based runs, and removed (unlinked as soon as it is open, so that not even
+/// of [`file_size`](CalibrateOptions::file_size) that is reserved (`fallocate`), written once
+/// in full (so that no figure measures the file system's unwritten extents: a write to one also
+/// rewrites the extent tree, a read of one returns zeros without reaching the disk), measured
+/// with time-based runs, and removed (unlinked as soon as it is open, so that not even
 /// Ctrl-C or `SIGKILL` leaves it behind); every phase that writes is flushed
 /// (`fdatasync`, outside the figures) before the next one starts and before calibration returns,
 /// so that no figure starts with an earlier phase's writes unflushed. Each figure is a sustained
