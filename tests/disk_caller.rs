@@ -10,7 +10,9 @@ use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
 use iothrottle::disk::{AlignedBuf, Backend, FileOptions, IoBuf, ThrottledFile, ALIGN};
-use iothrottle::dispatcher::{ClassConfig, ClassId, DiskModel, Dispatcher, Figures};
+use iothrottle::dispatcher::{ClassId, Dispatcher};
+
+mod common;
 
 /// A liveness bound only: a test that would hang fails after it instead.
 const GUARD: Duration = Duration::from_secs(60);
@@ -21,20 +23,7 @@ fn scratch() -> tempfile::TempDir {
 
 /// One unpinned shard over a fast modelled disk, one class, caller dispatch on.
 fn dispatcher() -> (Arc<Dispatcher>, ClassId) {
-    let d = Dispatcher::builder()
-        .shards(1)
-        .pin_threads(false)
-        .capped(true)
-        .caller_dispatch(true)
-        .disk(DiskModel::symmetric(Figures {
-            iops: 100_000,
-            bandwidth: 1_000_000_000,
-        }))
-        .class(ClassConfig::new("io", 100))
-        .build()
-        .unwrap();
-    let class = d.class_id("io").unwrap();
-    (Arc::new(d), class)
+    common::disk::build(common::disk::builder(true).caller_dispatch(true))
 }
 
 /// Blocks the only shard's thread until the returned sender is dropped.

@@ -18,7 +18,7 @@
 
 use std::cell::RefCell;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::{Mutex, MutexGuard};
 
 use io_uring::{opcode, types, IoUring};
@@ -28,6 +28,7 @@ use tokio::io::Interest;
 use tokio::runtime::{Handle, Id};
 
 use super::backend::{OpKind, RawIo, Resolved};
+use super::eventfd::RingEventFd;
 use crate::dispatcher::task::{self, ResultTx};
 use crate::dispatcher::{ClassId, Dispatcher, FastDone, IoHandle, IoRequest};
 use crate::sync::Arc;
@@ -62,22 +63,12 @@ struct Ring {
 pub(super) struct CallerRing {
     inner: Mutex<Ring>,
     /// Registered with the ring: the kernel adds to it for every completion. Non-blocking.
-    eventfd: OwnedFd,
+    eventfd: RingEventFd,
 }
 
 impl CallerRing {
     fn new() -> io::Result<Arc<CallerRing>> {
-        let ring = IoUring::builder()
-            .setup_cqsize(CQ_ENTRIES)
-            .build(SQ_ENTRIES)?;
-        // SAFETY: plain syscall with no pointers.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: `fd` was just returned by eventfd and is owned by nothing else.
-        let eventfd = unsafe { OwnedFd::from_raw_fd(fd) };
-        ring.submitter().register_eventfd(eventfd.as_raw_fd())?;
+        let (ring, eventfd) = RingEventFd::ring(SQ_ENTRIES, CQ_ENTRIES)?;
         Ok(Arc::new(CallerRing {
             inner: Mutex::new(Ring {
                 ring,
@@ -92,37 +83,6 @@ impl CallerRing {
     fn lock(&self) -> MutexGuard<'_, Ring> {
         // A panic under the lock loses at most the I/O of that call; the table stays whole.
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Raises the eventfd's count, so that the reaper runs.
-    fn notify(&self) {
-        let one: u64 = 1;
-        // SAFETY: writes 8 bytes from a live local to our own eventfd.
-        let _ = unsafe {
-            libc::write(
-                self.eventfd.as_raw_fd(),
-                (&one as *const u64).cast(),
-                std::mem::size_of::<u64>(),
-            )
-        };
-    }
-
-    /// Resets the eventfd's count (non-blocking).
-    fn drain_eventfd(&self) {
-        let mut count = [0u8; 8];
-        // SAFETY: reads at most 8 bytes into a live local buffer of 8 bytes.
-        let _ = unsafe { libc::read(self.eventfd.as_raw_fd(), count.as_mut_ptr().cast(), 8) };
-    }
-
-    /// Sleeps until the eventfd's count is non-zero (or a signal interrupts).
-    fn wait_eventfd(&self) {
-        let mut pfd = libc::pollfd {
-            fd: self.eventfd.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one live `pollfd`, count 1, no timeout.
-        let _ = unsafe { libc::poll(&mut pfd, 1, -1) };
     }
 
     /// Hands every completion posted so far to its future and releases its tokens; whether the
@@ -189,12 +149,12 @@ impl Drop for ReaperGuard {
         let spawned = std::thread::Builder::new()
             .name("iothrottle-caller-reaper".into())
             .spawn(move || loop {
-                ring.drain_eventfd();
+                ring.eventfd.drain();
                 ring.reap();
                 if ring.lock().pending.is_empty() {
                     return;
                 }
-                ring.wait_eventfd();
+                ring.eventfd.wait();
             });
         if let Err(e) = spawned {
             // Nobody can reap: never free a buffer the kernel may still write.
@@ -220,7 +180,7 @@ async fn reap_task(afd: AsyncFd<EventFd>, _guard: ReaperGuard) {
         // Cleared before the count is reset: a completion posted after it makes the fd
         // readable again, so none is missed.
         ready.clear_ready();
-        ring.drain_eventfd();
+        ring.eventfd.drain();
         if ring.reap() {
             return;
         }
@@ -235,7 +195,7 @@ impl Local {
     fn release(&mut self) {
         if let Some((_, ring)) = self.0.take() {
             ring.lock().closing = true;
-            ring.notify();
+            ring.eventfd.notify();
         }
     }
 }
@@ -384,7 +344,7 @@ pub(super) fn try_issue(
         // The entry stays queued (its buffer held in `pending`); the reaper submits it.
         tracing::warn!("io_uring submit failed ({e}); the reaper retries");
         drop(g);
-        ring.notify();
+        ring.eventfd.notify();
     }
     Ok(handle)
 }

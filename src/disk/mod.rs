@@ -31,6 +31,7 @@ mod buf;
 mod calibrate;
 mod caller_ring;
 pub(crate) mod error;
+mod eventfd;
 mod file;
 mod fs;
 mod pool;

@@ -11,7 +11,7 @@
 //! operation is submitted at once.
 
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::{Mutex, OnceLock};
 use std::task::{Poll, Waker};
 
@@ -22,6 +22,7 @@ use tokio::io::Interest;
 use tokio::sync::oneshot;
 
 use super::backend::{run, OpKind, RawIo, Resolved};
+use super::eventfd::RingEventFd;
 use crate::dispatcher::task::{self, BoxTask, Completion, ResultTx, Task};
 use crate::dispatcher::IoHandle;
 use crate::sync::Arc;
@@ -115,22 +116,12 @@ struct Driver {
     inner: Mutex<Ring>,
     /// Registered with the ring: the kernel adds to it for every completion. Non-blocking (the
     /// task reaper reads it after readiness; the thread reaper polls before reading).
-    eventfd: OwnedFd,
+    eventfd: RingEventFd,
 }
 
 impl Driver {
     fn new() -> io::Result<Arc<Driver>> {
-        let ring = IoUring::builder()
-            .setup_cqsize(CQ_ENTRIES)
-            .build(SQ_ENTRIES)?;
-        // SAFETY: plain syscall with no pointers.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: `fd` was just returned by eventfd and is owned by nothing else.
-        let eventfd = unsafe { OwnedFd::from_raw_fd(fd) };
-        ring.submitter().register_eventfd(eventfd.as_raw_fd())?;
+        let (ring, eventfd) = RingEventFd::ring(SQ_ENTRIES, CQ_ENTRIES)?;
         Ok(Arc::new(Driver {
             inner: Mutex::new(Ring {
                 ring,
@@ -151,42 +142,6 @@ impl Driver {
         // A panic while holding the lock cannot leave the ring inconsistent in a way that
         // matters more than losing the I/O: carry on with the data.
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn notify(&self) {
-        let one: u64 = 1;
-        // SAFETY: writes 8 bytes from a live local to our own eventfd.
-        let _ = unsafe {
-            libc::write(
-                self.eventfd.as_raw_fd(),
-                (&one as *const u64).cast(),
-                std::mem::size_of::<u64>(),
-            )
-        };
-    }
-
-    /// Resets the eventfd's count (non-blocking; a zero count is left as it is).
-    fn drain_eventfd(&self) {
-        let mut count = [0u8; 8];
-        // SAFETY: reads at most 8 bytes into a live local buffer of 8 bytes.
-        let _ = unsafe {
-            libc::read(
-                self.eventfd.as_raw_fd(),
-                count.as_mut_ptr().cast(),
-                count.len(),
-            )
-        };
-    }
-
-    /// Sleeps until the eventfd's count is non-zero (or a signal interrupts).
-    fn wait_eventfd(&self) {
-        let mut pfd = libc::pollfd {
-            fd: self.eventfd.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one live `pollfd`, count 1, no timeout.
-        let _ = unsafe { libc::poll(&mut pfd, 1, -1) };
     }
 
     /// Hands every completion posted so far to its future; `stop` decides, under the same lock,
@@ -360,7 +315,7 @@ async fn reap_task(afd: AsyncFd<EventFd>) {
         // Cleared before the count is read: a completion posted after the read makes the fd
         // readable again, so none is missed.
         ready.clear_ready();
-        driver.drain_eventfd();
+        driver.eventfd.drain();
         driver.reap(|_| false);
     }
 }
@@ -384,7 +339,7 @@ async fn flush_task(driver: Arc<Driver>, task: u64) {
                 // them on its next wake. Wake it now.
                 tracing::warn!("io_uring submit failed ({e}); the reaper retries");
                 drop(g);
-                driver.notify();
+                driver.eventfd.notify();
                 g = driver.lock();
             }
         }
@@ -411,7 +366,7 @@ fn reap_thread(driver: Arc<Driver>, until_idle: bool) {
     loop {
         // The count is reset before reaping: a completion posted after the reap finds it zero
         // and raises it, so the wait below returns.
-        driver.drain_eventfd();
+        driver.eventfd.drain();
         let exit = driver.reap(|g| {
             let stop = g.pending.is_empty() && (until_idle || g.closing);
             if stop {
@@ -422,7 +377,7 @@ fn reap_thread(driver: Arc<Driver>, until_idle: bool) {
         if exit {
             return;
         }
-        driver.wait_eventfd();
+        driver.eventfd.wait();
     }
 }
 
@@ -471,7 +426,7 @@ impl Drop for Local {
     fn drop(&mut self) {
         if let Some(d) = self.0.take() {
             d.lock().closing = true;
-            d.notify();
+            d.eventfd.notify();
         }
     }
 }
@@ -599,7 +554,7 @@ fn push_on(
         // next wake. Wake it now.
         tracing::warn!("io_uring submit failed ({e}); the reaper retries");
         drop(g);
-        driver.notify();
+        driver.eventfd.notify();
     }
     Ok(())
 }

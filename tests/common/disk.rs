@@ -3,7 +3,9 @@
 
 use std::sync::Arc;
 
-use iothrottle::dispatcher::{ClassConfig, ClassId, DiskModel, Dispatcher, Figures};
+use iothrottle::dispatcher::{
+    ClassConfig, ClassId, DiskModel, Dispatcher, DispatcherBuilder, Figures,
+};
 
 /// A fast NVMe drive (2 GB/s reads, 1 GB/s writes, 400k read IOPS, 100k write IOPS), stated
 /// explicitly: there is no default disk.
@@ -19,8 +21,8 @@ pub const NVME: DiskModel = DiskModel::new(
 );
 
 /// One unpinned shard over a fast modelled disk (1 GB/s, 100k IOPS), one class `io`.
-pub fn dispatcher(capped: bool) -> (Arc<Dispatcher>, ClassId) {
-    let d = Dispatcher::builder()
+pub fn builder(capped: bool) -> DispatcherBuilder {
+    Dispatcher::builder()
         .shards(1)
         .pin_threads(false)
         .capped(capped)
@@ -29,10 +31,18 @@ pub fn dispatcher(capped: bool) -> (Arc<Dispatcher>, ClassId) {
             bandwidth: 1_000_000_000,
         }))
         .class(ClassConfig::new("io", 100))
-        .build()
-        .unwrap();
+}
+
+/// Builds `builder` (which has the class `io`) and returns it with that class.
+pub fn build(builder: DispatcherBuilder) -> (Arc<Dispatcher>, ClassId) {
+    let d = builder.build().unwrap();
     let class = d.class_id("io").unwrap();
     (Arc::new(d), class)
+}
+
+/// [`builder`], built, and its class.
+pub fn dispatcher(capped: bool) -> (Arc<Dispatcher>, ClassId) {
+    build(builder(capped))
 }
 
 /// A current-thread runtime with timers, for the callers' side.
