@@ -7,7 +7,9 @@ use std::time::Duration;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use metrics_util::MetricKind;
 
-use iothrottle::dispatcher::{ClassConfig, DiskModel, Dispatcher, Figures, IoRequest};
+use iothrottle::dispatcher::{
+    ClassConfig, DiskModel, Dispatcher, DispatcherBuilder, Figures, IoRequest,
+};
 use iothrottle::metrics::{export_throttle, names, ThrottleCounters};
 use iothrottle::Rate;
 
@@ -73,17 +75,21 @@ fn histogram_len(v: Option<&DebugValue>) -> usize {
     }
 }
 
-#[test]
-fn per_class_counters_match_the_dispatcher_stats() {
-    let (snap, _serial) = recorder();
-    let mut b = Dispatcher::builder()
-        .shards(2)
+/// An uncapped dispatcher of `shards` shards over a fast modelled disk, classes to add.
+fn uncapped(shards: usize) -> DispatcherBuilder {
+    Dispatcher::builder()
+        .shards(shards)
         .disk(DiskModel::symmetric(Figures {
             iops: 100_000,
             bandwidth: 1 << 30,
         }))
         .capped(false)
-        .pin_threads(false);
+}
+
+#[test]
+fn per_class_counters_match_the_dispatcher_stats() {
+    let (snap, _serial) = recorder();
+    let mut b = uncapped(2).pin_threads(false);
     let fg = b.add_class(ClassConfig::new("m_fg", 800)).unwrap();
     let bg = b.add_class(ClassConfig::new("m_bg", 200)).unwrap();
     let d = b.build().unwrap();
@@ -148,13 +154,7 @@ fn per_class_counters_match_the_dispatcher_stats() {
 #[test]
 fn cancelled_requests_are_counted_and_leave_the_queue_gauge() {
     let (snap, _serial) = recorder();
-    let mut b = Dispatcher::builder()
-        .shards(1)
-        .disk(DiskModel::symmetric(Figures {
-            iops: 100_000,
-            bandwidth: 1 << 30,
-        }))
-        .capped(false)
+    let mut b = uncapped(1)
         .rate(Rate::per_second(1_000))
         .limit(100)
         .pin_threads(false);
@@ -291,15 +291,7 @@ fn export_throttle_stats_publishes_the_throttles_own_counters() {
 #[test]
 fn requests_dispatched_from_their_callers_leave_the_queue_gauge_at_zero() {
     let (snap, _serial) = recorder();
-    let mut b = Dispatcher::builder()
-        .shards(1)
-        .disk(DiskModel::symmetric(Figures {
-            iops: 100_000,
-            bandwidth: 1 << 30,
-        }))
-        .capped(false)
-        .pin_threads(false)
-        .caller_dispatch(true);
+    let mut b = uncapped(1).pin_threads(false).caller_dispatch(true);
     let c = b.add_class(ClassConfig::new("m_caller", 100)).unwrap();
     let d = b.build().unwrap();
     let rt = tokio::runtime::Builder::new_current_thread()

@@ -92,6 +92,23 @@ fn hostile_options() -> LeaseOptions {
         .with_trickle_interval(ms(5))
 }
 
+/// Stops [`hammer`]'s tasks, waits for them, and returns the most one key may have been
+/// granted from `start` to now (the server's clock).
+async fn stop_hammer(
+    stop: &std::sync::atomic::AtomicBool,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    pg: &PgCluster,
+    opts: &LeaseOptions,
+    start: SystemTime,
+) -> u128 {
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let end = server_now(pg).await;
+    opts.bound(1, end.duration_since(start).unwrap())
+}
+
 /// Calls on `HOSTILE_KEYS` keys from 8 tasks until `stop`; per key the grants, and the
 /// errors seen (each must be a typed connection or server error).
 fn hammer(
@@ -212,12 +229,7 @@ async fn server_stopped_under_batched_load() {
         every_key_advanced(&granted, &at_restart)
     })
     .await;
-    stop.store(true, Relaxed);
-    for t in tasks {
-        t.await.unwrap();
-    }
-    let end = server_now(&pg).await;
-    let bound = opts.bound(1, end.duration_since(start).unwrap());
+    let bound = stop_hammer(&stop, tasks, &pg, &opts, start).await;
     let s = l.stats();
     eprintln!(
         "granted {:?}, {} errors, {} leases in {} statements, bound {bound} per key",
@@ -330,12 +342,7 @@ async fn kill_9_of_a_process_holding_leases() {
         every_key_advanced(&granted, &at_kill)
     })
     .await;
-    stop.store(true, Relaxed);
-    for t in tasks {
-        t.await.unwrap();
-    }
-    let end = server_now(&pg).await;
-    let bound = opts.bound(1, end.duration_since(start).unwrap());
+    let bound = stop_hammer(&stop, tasks, &pg, &opts, start).await;
     eprintln!(
         "survivor granted {:?}; bound {bound} per key",
         counts(&granted)
