@@ -7,6 +7,7 @@
 //! | `iothrottle_grab_deficiency` | `grab(1)` + `deficiency`, a `replenish()` every 64 grabs (bucket on a `FastClock`, at the dispatcher's rate: 10^9 tokens/s) |
 //! | `iothrottle_grab_deficiency_max_rate` (1t) | the same at `Rate::MAX_PER_SECOND`, where each replenish divides in 128 bits |
 //! | `iothrottle_grab_deficiency_monotonic` (1t) | the same on a `MonotonicClock` (`Instant::now()`): what the clock costs |
+//! | `iothrottle_grab_deficiency_threshold` (1t) | the same with the replenish threshold the dispatcher sets (20 µs of tokens): most replenishes find fewer and stop before any CAS |
 //! | `iothrottle_grab_deficiency_only` (1t) | `grab(1)` + `deficiency`, never a replenish: the fast path alone |
 //! | `atomic_fetch_add_floor` | `AtomicU64::fetch_add` + `load`: the floor |
 //! | `governor_check` | governor direct `RateLimiter::check()` |
@@ -47,7 +48,14 @@ const DISK_RATE: u64 = 1_000_000_000;
 /// A bucket that never throttles in a benchmark: `per_second` tokens a second and the largest
 /// limit.
 fn iothrottle_bucket<C: Clock>(clock: C, per_second: u64) -> SharedTokenBucket<Uncapped, C> {
-    let cfg = BucketConfig::new(Rate::per_second(per_second), BucketConfig::MAX_LIMIT);
+    iothrottle_bucket_with(
+        clock,
+        BucketConfig::new(Rate::per_second(per_second), BucketConfig::MAX_LIMIT),
+    )
+}
+
+/// A bucket of `cfg` on `clock`, filled.
+fn iothrottle_bucket_with<C: Clock>(clock: C, cfg: BucketConfig) -> SharedTokenBucket<Uncapped, C> {
     let b = SharedTokenBucket::<Uncapped, C>::with_clock(cfg, clock).expect("valid config");
     b.replenish(); // the first replenish fills the bucket
     b
@@ -260,6 +268,18 @@ pub fn bucket(c: &mut Criterion) {
         &mut g,
         "iothrottle_grab_deficiency_monotonic",
         iothrottle_bucket(MonotonicClock::new(), DISK_RATE),
+        iothrottle_op,
+    );
+    // The dispatcher's threshold (20 µs of tokens at its rate): a replenish that finds fewer
+    // stops after the clock read and the pricing, before any CAS.
+    one(
+        &mut g,
+        "iothrottle_grab_deficiency_threshold",
+        iothrottle_bucket_with(
+            FastClock::new(),
+            BucketConfig::new(Rate::per_second(DISK_RATE), BucketConfig::MAX_LIMIT)
+                .with_threshold(20_000),
+        ),
         iothrottle_op,
     );
     // What the replenish every 64 grabs costs: the same ops without it.

@@ -73,7 +73,7 @@ impl Price {
 
     /// Tokens earned from `from` to `to`, both at or after the epoch and `from ≤ to`: the
     /// same as `rate.count(from − epoch, to − epoch)` of the rate the price was built from.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn earned(&self, from: u64, to: u64) -> u128 {
         debug_assert!(self.epoch <= from && from <= to);
         let (a, b) = (from - self.epoch, to - self.epoch);
@@ -82,10 +82,18 @@ impl Price {
             // t × a ≤ t × b fits too; floor is monotone, so the difference is not negative.
             return (self.quot(tb) - self.quot(t * a)) as u128;
         }
-        // Long after the epoch: with t × a = Q × p + R, the count is
-        // floor((t × (b − a) + R) / p), and R = (t × (a mod p)) mod p, which stays in 64 bits
-        // while t × p does (any practical rate), so a short interval still prices without a
-        // division however far the epoch lies behind.
+        self.earned_long_after(a, b)
+    }
+
+    /// [`earned`](Self::earned) from `a` to `b` after the epoch when `tokens × b` does not fit
+    /// 64 bits.
+    #[inline(never)]
+    fn earned_long_after(&self, a: u64, b: u64) -> u128 {
+        let t = self.tokens;
+        // With t × a = Q × p + R, the count is floor((t × (b − a) + R) / p), and
+        // R = (t × (a mod p)) mod p, which stays in 64 bits while t × p does (any practical
+        // rate), so a short interval still prices without a division however far the epoch
+        // lies behind.
         if t.checked_mul(self.period_ns).is_some() {
             let r = self.rem(t * self.rem(a));
             if let Some(n) = t.checked_mul(b - a).and_then(|n| n.checked_add(r)) {

@@ -270,37 +270,62 @@ impl<M: Mode> Rovers<M> {
     /// The first half of a replenish: moves `last` to `now` by CAS and returns the tokens of
     /// the interval claimed (the bucket's limit for the first replenish), or `None` when there
     /// is nothing to claim. The caller must [`fill`](Self::fill) them.
-    #[inline]
+    ///
+    /// The common case (a replenish after the first, priced from the cache) is inlined into
+    /// the caller; the others go through [`claim_priced`](Self::claim_priced), which prices
+    /// any interval.
+    #[inline(always)]
     pub(crate) fn claim(&self, now: u64, cache: &PriceCache) -> Option<u128> {
         let now = now.min(MAX_TIMESTAMP);
-        // Relaxed: the regime read below (`published`, or the record) begins with an Acquire
-        // fence, which synchronises with the Release CAS that stored this value (a fence after
-        // a load that read a release store), so that regime is at least the one in force then.
-        // Loom checks it.
+        // Relaxed: the regime read below (`published`, or the record in `claim_priced`) begins
+        // with an Acquire fence, which synchronises with the Release CAS that stored this
+        // value (a fence after a load that read a release store), so that regime is at least
+        // the one in force then. Loom checks it.
         let last = self.repl.last.load(Ordering::Relaxed);
+        if last == FRESH {
+            return self.claim_priced(now, last, cache);
+        }
+        if now <= last {
+            return None;
+        }
+        let ticket = self.repl.regime.published();
+        let extra = match cache.get(ticket) {
+            Some(price) if last >= price.epoch => price.earned(last, now),
+            _ => return self.claim_priced(now, last, cache),
+        };
+        if extra < self.threshold as u128 {
+            return None;
+        }
+        self.take(last, now, extra)
+    }
+
+    /// [`claim`](Self::claim) when the cache cannot price the interval from `last` (read
+    /// Relaxed from `repl.last`, not before `now` unless [`FRESH`]) to `now`: the first
+    /// replenish, a cache that holds another regime (refreshed here), or an interval that
+    /// begins before the current regime's epoch (priced from the record).
+    #[cold]
+    #[inline(never)]
+    fn claim_priced(&self, now: u64, last: u64, cache: &PriceCache) -> Option<u128> {
         let extra = if last == FRESH {
             self.limit as u128
         } else {
-            if now <= last {
-                return None;
+            // The record, read with its leading Acquire fence as in `claim`.
+            let (ticket, regime) = self.repl.regime.load_ticketed();
+            if cache.get(ticket).is_none() {
+                cache.put(ticket, Price::new(regime.rate, regime.epoch));
             }
-            // The regime the record would give here: from the cache when it holds that regime
-            // (same ticket) and the interval lies wholly at its rate, else from the record.
-            let ticket = self.repl.regime.published();
-            let extra = match cache.get(ticket) {
-                Some(price) if last >= price.epoch => price.earned(last, now),
-                Some(_) => self.repl.regime.load().earned(last, now)?,
-                None => {
-                    let (ticket, regime) = self.repl.regime.load_ticketed();
-                    cache.put(ticket, Price::new(regime.rate, regime.epoch));
-                    regime.earned(last, now)?
-                }
-            };
+            let extra = regime.earned(last, now)?;
             if extra < self.threshold as u128 {
                 return None;
             }
             extra
         };
+        self.take(last, now, extra)
+    }
+
+    /// Moves `last` from `last` to `now` by CAS; `Some(extra)` if it did.
+    #[inline(always)]
+    fn take(&self, last: u64, now: u64, extra: u128) -> Option<u128> {
         // Release on success: a replenisher that reads `now` from here also sees the regime
         // we priced with (through the Acquire fence of its own regime read). Relaxed on
         // failure: another thread moved `last` and covers the time; we leave.
