@@ -307,7 +307,7 @@ pub(super) fn try_issue(
     io: RawIo,
 ) -> Result<PieceHandle, RawIo> {
     if backend != Resolved::IoUring
-        || !dispatcher.caller_dispatch()
+        || !dispatcher.caller_files()
         || crate::dispatcher::on_any_shard()
         || io.kind == OpKind::Fallocate
     {
