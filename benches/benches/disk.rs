@@ -25,7 +25,8 @@
 //!   what the runtime costs; between it and `throttled_file`, what the dispatcher does.
 //! - `throttled_file`: a task on a tokio current-thread runtime on the benchmark thread (an
 //!   ordinary caller, not on a shard) calls `ThrottledFile::read_at`: the request goes to the
-//!   dispatcher's one shard thread, which submits it to its ring, reaps the completion on its
+//!   dispatcher's one shard thread (the dispatcher is built with
+//!   `caller_dispatch(false)`), which submits it to its ring, reaps the completion on its
 //!   reactor and wakes the caller's task. Two threads: the caller's and the shard's, with the
 //!   shard's default [idle poll] (it polls for 200 µs after its last activity instead of
 //!   parking).
@@ -34,8 +35,8 @@
 //!   driver (an eventfd write) on every wake from another thread, so the shard pays one system
 //!   call per completed read for a current-thread caller; the multi-thread scheduler wakes a
 //!   worker only when none is awake.
-//! - `throttled_file_caller` (in `disk/ratios` only): `throttled_file` on a dispatcher with
-//!   [`DispatcherBuilder::caller_dispatch`]: a read that may go at once (here: every read, the
+//! - `throttled_file_caller` (in `disk/ratios` only): `throttled_file` on a dispatcher with the
+//!   default [`DispatcherBuilder::caller_dispatch`]: a read that may go at once (here: every read, the
 //!   dispatcher is unthrottled) is issued on the caller's own io_uring and reaped by the
 //!   caller's runtime; no shard thread wakes. Its ratio to `direct_io_uring` is what the
 //!   dispatcher's bookkeeping and a ring reaped through tokio's reactor cost.
@@ -866,13 +867,15 @@ pub fn disk(c: &mut Criterion) {
     g.finish();
 }
 
-/// An unthrottled one-shard dispatcher (the rate and limit far above the disk's), with the given
-/// idle poll (`None`: the default), its shard on `SCHED_BATCH` when `sched_batch`.
+/// An unthrottled one-shard dispatcher (the rate and limit far above the disk's) that sends
+/// every read through its shard, with the given idle poll (`None`: the default), its shard on
+/// `SCHED_BATCH` when `sched_batch`.
 fn unthrottled(idle_poll: Option<Duration>, sched_batch: bool) -> (Arc<Dispatcher>, ClassId) {
     unthrottled_with(idle_poll, sched_batch, false)
 }
 
-/// [`unthrottled`], with caller dispatch when `caller`.
+/// [`unthrottled`], with caller dispatch (the default) when `caller`, every read through the
+/// shard (`caller_dispatch(false)`) otherwise.
 fn unthrottled_with(
     idle_poll: Option<Duration>,
     sched_batch: bool,
@@ -880,7 +883,6 @@ fn unthrottled_with(
 ) -> (Arc<Dispatcher>, ClassId) {
     let mut b = Dispatcher::builder()
         .shards(1)
-        .caller_dispatch(caller)
         .pin_threads(false)
         .rate(Rate::per_second(Rate::MAX_PER_SECOND))
         .limit(1 << 50)
@@ -892,6 +894,10 @@ fn unthrottled_with(
         }));
     if let Some(t) = idle_poll {
         b = b.idle_poll(t);
+    }
+    if !caller {
+        // The default issues `ThrottledFile`'s reads on the caller's ring.
+        b = b.caller_dispatch(false);
     }
     if sched_batch {
         b = b.on_shard_start(|_| {
