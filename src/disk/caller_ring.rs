@@ -1,5 +1,5 @@
-//! The caller's own io_uring: under [caller dispatch](crate::DispatcherBuilder::caller_dispatch),
-//! a [`ThrottledFile`](super::ThrottledFile) piece that may go at once
+//! The caller's own io_uring: under [caller dispatch](crate::DispatcherBuilder::caller_dispatch)
+//! (the default for files), a [`ThrottledFile`](super::ThrottledFile) piece that may go at once
 //! ([`Dispatcher::try_fast_costed`]) is issued from the thread that submits it, on a ring of
 //! that thread's, and its completion is reaped by a task on the caller's tokio runtime (woken by
 //! the runtime's I/O driver through the ring's eventfd): no shard thread wakes for it.
