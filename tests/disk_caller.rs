@@ -412,3 +412,61 @@ fn a_thread_moving_to_another_runtime_gets_a_ring_reaped_there() {
     drop(first);
     d.shutdown();
 }
+
+/// The defaults: a `ThrottledFile` piece that may go at once goes from the caller's ring (it
+/// completes with the shard blocked) while a future given to `submit` runs on the shard (it
+/// waits for the shard); `caller_dispatch(false)` sends the file's pieces through the shard.
+#[test]
+fn by_default_file_pieces_go_from_the_callers_ring_and_submitted_futures_run_on_the_shard() {
+    let dir = scratch();
+    let path = dir.path().join("data");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (d, class) = common::disk::build(common::disk::builder(true));
+    let f =
+        Arc::new(ThrottledFile::open(d.clone(), class, &path, options(Backend::IoUring)).unwrap());
+    let blocked = block_shard(&d);
+    let (res, _) = in_time(
+        &rt,
+        f.write_at(AlignedBuf::from_slice(&stamp(2)).unwrap(), 0),
+    );
+    res.unwrap();
+    let (n, back) = in_time(&rt, f.read_at(AlignedBuf::zeroed(4 * ALIGN).unwrap(), 0));
+    assert_eq!(n.unwrap(), 4 * ALIGN);
+    assert!(back[..] == stamp(2)[..], "read back with the shard blocked");
+    let ran = Arc::new(AtomicBool::new(false));
+    let flag = ran.clone();
+    let handle = d
+        .submit(
+            class,
+            iothrottle::dispatcher::IoRequest::tokens(1),
+            async move {
+                flag.store(true, Ordering::SeqCst);
+            },
+        )
+        .unwrap();
+    let job = rt.spawn(handle);
+    rt.block_on(async {
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+    });
+    assert!(
+        !job.is_finished() && !ran.load(Ordering::SeqCst),
+        "a submitted future waits for its shard"
+    );
+    drop(blocked);
+    in_time(&rt, job).unwrap().unwrap();
+    assert!(ran.load(Ordering::SeqCst));
+    check_accounted(&d, &rt, 1 + 1 + 1);
+    d.shutdown();
+
+    let (off, class) = common::disk::build(common::disk::builder(true).caller_dispatch(false));
+    let g = Arc::new(
+        ThrottledFile::open(off.clone(), class, &path, options(Backend::IoUring)).unwrap(),
+    );
+    takes_the_shard_path(&off, g, &rt);
+    off.shutdown();
+}

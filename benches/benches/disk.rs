@@ -25,7 +25,8 @@
 //!   what the runtime costs; between it and `throttled_file`, what the dispatcher does.
 //! - `throttled_file`: a task on a tokio current-thread runtime on the benchmark thread (an
 //!   ordinary caller, not on a shard) calls `ThrottledFile::read_at`: the request goes to the
-//!   dispatcher's one shard thread, which submits it to its ring, reaps the completion on its
+//!   dispatcher's one shard thread (the dispatcher is built with
+//!   `caller_dispatch(false)`), which submits it to its ring, reaps the completion on its
 //!   reactor and wakes the caller's task. Two threads: the caller's and the shard's, with the
 //!   shard's default [idle poll] (it polls for 200 µs after its last activity instead of
 //!   parking).
@@ -34,8 +35,8 @@
 //!   driver (an eventfd write) on every wake from another thread, so the shard pays one system
 //!   call per completed read for a current-thread caller; the multi-thread scheduler wakes a
 //!   worker only when none is awake.
-//! - `throttled_file_caller` (in `disk/ratios` only): `throttled_file` on a dispatcher with
-//!   [`DispatcherBuilder::caller_dispatch`]: a read that may go at once (here: every read, the
+//! - `throttled_file_caller` (in `disk/ratios` only): `throttled_file` on a dispatcher with the
+//!   default [`DispatcherBuilder::caller_dispatch`]: a read that may go at once (here: every read, the
 //!   dispatcher is unthrottled) is issued on the caller's own io_uring and reaped by the
 //!   caller's runtime; no shard thread wakes. Its ratio to `direct_io_uring` is what the
 //!   dispatcher's bookkeeping and a ring reaped through tokio's reactor cost.
@@ -66,6 +67,19 @@
 //! while idle, and the CPU the whole process used per read (`getrusage`: the caller's side, the
 //! I/O thread's, and the kernel's work for both). It runs when no filter is given, or the filter names `disk` but not one `read_4k` case, or
 //! names `ratios`.
+//!
+//! Each read's own latency is recorded too, from its submission (the push on the ring for
+//! `direct_io_uring`, the call to `read_at` or the hand-off for the others) to its completion
+//! seen by the caller (the ring's wait returning; the read's task resumed), and `disk/ratios`
+//! prints per case its p50 and p99 and the ratio of its p99 to `direct_io_uring`'s at the same
+//! depth (`p99 ratio`). The quantiles are pooled over all rounds (every read of the case in one
+//! sample), not a median of per-round figures: a round holds 150 reads at depth 1, too few for
+//! a p99 of its own (it is the second-largest read), and the interleaving spreads the
+//! machine's drift over all cases alike. A pooled p99 is the tail a user sees, but one stall of
+//! the disk during one case's turn lands in that case alone; `p99 r/rnd`, the median over the
+//! rounds of the ratio of the round's p99s, is the figure such a stall cannot move (rough at
+//! depth 1 for the reason above, sound at depth 32's 1,500 reads a round). Read them together:
+//! where they disagree, a few rounds decided the pooled one.
 //!
 //! For focused comparisons, `IOTHROTTLE_RATIOS_CASES` keeps only the named cases (commas; a
 //! name, or `name/depth`; `direct_io_uring` always stays), `IOTHROTTLE_RATIOS_DEPTH` only one
@@ -111,7 +125,8 @@ impl Rng {
     }
 }
 
-/// `iters` reads kept `depth` deep on a raw ring; returns the elapsed time.
+/// `iters` reads kept `depth` deep on a raw ring; returns the elapsed time. Each read's latency
+/// (from its push on the submission queue to its completion seen) goes to `lat`.
 fn direct(
     ring: &mut IoUring,
     fd: i32,
@@ -119,11 +134,14 @@ fn direct(
     depth: usize,
     iters: u64,
     rng: &mut Rng,
+    lat: &mut Vec<f64>,
 ) -> Duration {
     let start = Instant::now();
     let mut issued = 0u64;
     let mut done = 0u64;
-    let mut push = |ring: &mut IoUring, slot: usize, rng: &mut Rng| {
+    let mut pushed_at = vec![start; depth];
+    let mut push = |ring: &mut IoUring, slot: usize, rng: &mut Rng, at: &mut [Instant]| {
+        at[slot] = Instant::now();
         let e = opcode::Read::new(types::Fd(fd), bufs[slot].as_mut_ptr(), ALIGN as u32)
             .offset(rng.offset())
             .build()
@@ -132,20 +150,22 @@ fn direct(
         unsafe { ring.submission().push(&e).unwrap() };
     };
     while issued < iters.min(depth as u64) {
-        push(ring, issued as usize, rng);
+        push(ring, issued as usize, rng, &mut pushed_at);
         issued += 1;
     }
     while done < issued {
         ring.submit_and_wait(1).unwrap();
+        let seen = Instant::now();
         let slots: Vec<(u64, i32)> = ring
             .completion()
             .map(|c| (c.user_data(), c.result()))
             .collect();
         for (slot, res) in slots {
             assert_eq!(res, ALIGN as i32);
+            lat.push(micros(seen - pushed_at[slot as usize]));
             done += 1;
             if issued < iters {
-                push(ring, slot as usize, rng);
+                push(ring, slot as usize, rng, &mut pushed_at);
                 issued += 1;
             }
         }
@@ -153,26 +173,46 @@ fn direct(
     start.elapsed()
 }
 
+/// Microseconds in `d`.
+fn micros(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e6
+}
+
+/// A read's task: the buffer back, and the read's latency in µs (from the call that submits it
+/// to its completion seen by the task).
+type Read = (AlignedBuf, f64);
+
+/// Runs `read` and times it (see [`Read`]).
+async fn timed(read: impl std::future::Future<Output = AlignedBuf>) -> Read {
+    let start = Instant::now();
+    let buf = read.await;
+    (buf, micros(start.elapsed()))
+}
+
 /// Starts a task for each offset with `spawn` (given a buffer and the offset), keeping `depth`
-/// of them running: each new one gets the buffer the last one to finish returned.
+/// of them running: each new one gets the buffer the last one to finish returned. Returns the
+/// reads' latencies.
 async fn keep_deep(
     depth: usize,
     offsets: &[u64],
-    mut spawn: impl FnMut(&mut JoinSet<AlignedBuf>, AlignedBuf, u64),
-) {
+    mut spawn: impl FnMut(&mut JoinSet<Read>, AlignedBuf, u64),
+) -> Vec<f64> {
     let mut set = JoinSet::new();
+    let mut lat = Vec::with_capacity(offsets.len());
     let mut next = 0;
     while next < depth.min(offsets.len()) {
         spawn(&mut set, AlignedBuf::zeroed(ALIGN).unwrap(), offsets[next]);
         next += 1;
     }
-    while let Some(buf) = set.join_next().await {
-        let buf = buf.unwrap();
+    while let Some(read) = set.join_next().await {
+        let (buf, took) = read.unwrap();
+        lat.push(took);
         if next < offsets.len() {
             spawn(&mut set, buf, offsets[next]);
             next += 1;
         }
     }
+    lat
 }
 
 /// `iters` reads kept `depth` deep through the dispatcher. On a multi-thread runtime the reads'
@@ -184,6 +224,7 @@ fn throttled(
     depth: usize,
     iters: u64,
     rng: &mut Rng,
+    lat: &mut Vec<f64>,
 ) -> Duration {
     let offsets: Vec<u64> = (0..iters).map(|_| rng.offset()).collect();
     let start = Instant::now();
@@ -191,20 +232,22 @@ fn throttled(
     let reads = async move {
         keep_deep(depth, &offsets, |set, buf, off| {
             let f = file.clone();
-            set.spawn(async move {
+            set.spawn(timed(async move {
                 let (n, buf) = f.read_at(buf, off).await;
                 let n = n.unwrap();
                 assert_eq!(n, ALIGN);
                 buf
-            });
+            }));
         })
         .await
     };
-    match rt.handle().runtime_flavor() {
+    let took = match rt.handle().runtime_flavor() {
         tokio::runtime::RuntimeFlavor::CurrentThread => rt.block_on(reads),
         _ => rt.block_on(rt.spawn(reads)).unwrap(),
-    }
-    start.elapsed()
+    };
+    let elapsed = start.elapsed();
+    lat.extend(took);
+    elapsed
 }
 
 /// A read asked of a hand-written I/O thread: its offset, and where to say it is done.
@@ -522,25 +565,29 @@ fn handed_off(
     depth: usize,
     iters: u64,
     rng: &mut Rng,
+    lat: &mut Vec<f64>,
 ) -> Duration {
     let offsets: Vec<u64> = (0..iters).map(|_| rng.offset()).collect();
     let start = Instant::now();
-    rt.block_on(keep_deep(depth, &offsets, |set, buf, off| {
+    let took = rt.block_on(keep_deep(depth, &offsets, |set, buf, off| {
         let send = send.clone();
-        set.spawn(async move {
+        set.spawn(timed(async move {
             let (done, wait) = tokio::sync::oneshot::channel();
             send((off, done));
             assert_eq!(wait.await.unwrap(), ALIGN as i32);
             // The thread reads into its own buffers: this one only keeps the helper's shape.
             buf
-        });
+        }));
     }));
-    start.elapsed()
+    let elapsed = start.elapsed();
+    lat.extend(took);
+    elapsed
 }
 
 /// `iters` reads kept `depth` deep, issued from tasks running *on* the shard (thread-per-core
 /// use: the engine's code runs on the shards), so no request crosses threads: a task on the
 /// shard spawns one task per read on the shard's own runtime.
+#[allow(clippy::too_many_arguments)] // the case's setting, then `throttled`'s arguments
 fn on_shard(
     rt: &tokio::runtime::Runtime,
     d: &Dispatcher,
@@ -549,26 +596,29 @@ fn on_shard(
     depth: usize,
     iters: u64,
     rng: &mut Rng,
+    lat: &mut Vec<f64>,
 ) -> Duration {
     let offsets: Vec<u64> = (0..iters).map(|_| rng.offset()).collect();
     let f = file.clone();
     let job = d
         .submit(class, IoRequest::tokens(1), async move {
             let start = Instant::now();
-            keep_deep(depth, &offsets, |set, buf, off| {
+            let took = keep_deep(depth, &offsets, |set, buf, off| {
                 let f = f.clone();
-                set.spawn_local(async move {
+                set.spawn_local(timed(async move {
                     let (n, buf) = f.read_at(buf, off).await;
                     let n = n.unwrap();
                     assert_eq!(n, ALIGN);
                     buf
-                });
+                }));
             })
             .await;
-            start.elapsed()
+            (start.elapsed(), took)
         })
         .unwrap();
-    rt.block_on(job).unwrap()
+    let (elapsed, took) = rt.block_on(job).unwrap();
+    lat.extend(took);
+    elapsed
 }
 
 pub fn disk(c: &mut Criterion) {
@@ -662,7 +712,7 @@ pub fn disk(c: &mut Criterion) {
             cases.push((
                 "direct_io_uring",
                 depth,
-                Box::new(move |n, rng| {
+                Box::new(move |n, rng, lat| {
                     direct(
                         &mut ring.borrow_mut(),
                         fd,
@@ -670,15 +720,16 @@ pub fn disk(c: &mut Criterion) {
                         depth,
                         n,
                         rng,
+                        lat,
                     )
                 }),
             ));
             cases.push((
                 "uring_relay_thread",
                 depth,
-                Box::new(move |n, rng| {
+                Box::new(move |n, rng, lat| {
                     let relay = relay.clone();
-                    handed_off(rt, move |r| relay.send(r), depth, n, rng)
+                    handed_off(rt, move |r| relay.send(r), depth, n, rng, lat)
                 }),
             ));
             for (name, queue) in [
@@ -688,41 +739,43 @@ pub fn disk(c: &mut Criterion) {
                 cases.push((
                     name,
                     depth,
-                    Box::new(move |n, rng| {
+                    Box::new(move |n, rng, lat| {
                         let tx = queue.clone();
-                        handed_off(rt, move |r| tx.send(r).unwrap(), depth, n, rng)
+                        handed_off(rt, move |r| tx.send(r).unwrap(), depth, n, rng, lat)
                     }),
                 ));
             }
             cases.push((
                 "throttled_file",
                 depth,
-                Box::new(move |n, rng| throttled(rt, file, depth, n, rng)),
+                Box::new(move |n, rng, lat| throttled(rt, file, depth, n, rng, lat)),
             ));
             cases.push((
                 "throttled_file_mt_caller",
                 depth,
-                Box::new(move |n, rng| throttled(mt, file, depth, n, rng)),
+                Box::new(move |n, rng, lat| throttled(mt, file, depth, n, rng, lat)),
             ));
             cases.push((
                 "throttled_file_caller",
                 depth,
-                Box::new(move |n, rng| throttled(rt, caller_file, depth, n, rng)),
+                Box::new(move |n, rng, lat| throttled(rt, caller_file, depth, n, rng, lat)),
             ));
             cases.push((
                 "throttled_file_sched_batch",
                 depth,
-                Box::new(move |n, rng| throttled(rt, batch_file, depth, n, rng)),
+                Box::new(move |n, rng, lat| throttled(rt, batch_file, depth, n, rng, lat)),
             ));
             cases.push((
                 "throttled_file_parked",
                 depth,
-                Box::new(move |n, rng| throttled(rt, parked, depth, n, rng)),
+                Box::new(move |n, rng, lat| throttled(rt, parked, depth, n, rng, lat)),
             ));
             cases.push((
                 "throttled_file_on_shard",
                 depth,
-                Box::new(move |n, rng| on_shard(rt, dispatcher, class, file, depth, n, rng)),
+                Box::new(move |n, rng, lat| {
+                    on_shard(rt, dispatcher, class, file, depth, n, rng, lat)
+                }),
             ));
         }
         if let Ok(keep) = std::env::var("IOTHROTTLE_RATIOS_CASES") {
@@ -785,34 +838,48 @@ pub fn disk(c: &mut Criterion) {
                     depth,
                     iters,
                     &mut rng,
+                    &mut Vec::new(),
                 )
             })
         });
         g.bench_function(BenchmarkId::new("throttled_file", depth), |bch| {
-            bch.iter_custom(|iters| throttled(&rt, &file, depth, iters, &mut rng))
+            bch.iter_custom(|iters| throttled(&rt, &file, depth, iters, &mut rng, &mut Vec::new()))
         });
         g.bench_function(BenchmarkId::new("throttled_file_mt_caller", depth), |bch| {
-            bch.iter_custom(|iters| throttled(&mt, &file, depth, iters, &mut rng))
+            bch.iter_custom(|iters| throttled(&mt, &file, depth, iters, &mut rng, &mut Vec::new()))
         });
         g.bench_function(BenchmarkId::new("throttled_file_parked", depth), |bch| {
-            bch.iter_custom(|iters| throttled(&rt, &parked, depth, iters, &mut rng))
+            bch.iter_custom(|iters| {
+                throttled(&rt, &parked, depth, iters, &mut rng, &mut Vec::new())
+            })
         });
         g.bench_function(BenchmarkId::new("throttled_file_on_shard", depth), |bch| {
             bch.iter_custom(|iters| {
-                on_shard(&rt, &dispatcher, class, &file, depth, iters, &mut rng)
+                on_shard(
+                    &rt,
+                    &dispatcher,
+                    class,
+                    &file,
+                    depth,
+                    iters,
+                    &mut rng,
+                    &mut Vec::new(),
+                )
             })
         });
     }
     g.finish();
 }
 
-/// An unthrottled one-shard dispatcher (the rate and limit far above the disk's), with the given
-/// idle poll (`None`: the default), its shard on `SCHED_BATCH` when `sched_batch`.
+/// An unthrottled one-shard dispatcher (the rate and limit far above the disk's) that sends
+/// every read through its shard, with the given idle poll (`None`: the default), its shard on
+/// `SCHED_BATCH` when `sched_batch`.
 fn unthrottled(idle_poll: Option<Duration>, sched_batch: bool) -> (Arc<Dispatcher>, ClassId) {
     unthrottled_with(idle_poll, sched_batch, false)
 }
 
-/// [`unthrottled`], with caller dispatch when `caller`.
+/// [`unthrottled`], with caller dispatch (the default) when `caller`, every read through the
+/// shard (`caller_dispatch(false)`) otherwise.
 fn unthrottled_with(
     idle_poll: Option<Duration>,
     sched_batch: bool,
@@ -820,7 +887,6 @@ fn unthrottled_with(
 ) -> (Arc<Dispatcher>, ClassId) {
     let mut b = Dispatcher::builder()
         .shards(1)
-        .caller_dispatch(caller)
         .pin_threads(false)
         .rate(Rate::per_second(Rate::MAX_PER_SECOND))
         .limit(1 << 50)
@@ -832,6 +898,10 @@ fn unthrottled_with(
         }));
     if let Some(t) = idle_poll {
         b = b.idle_poll(t);
+    }
+    if !caller {
+        // The default issues `ThrottledFile`'s reads on the caller's ring.
+        b = b.caller_dispatch(false);
     }
     if sched_batch {
         b = b.on_shard_start(|_| {
@@ -847,8 +917,10 @@ fn unthrottled_with(
     (Arc::new(b.build().unwrap()), class)
 }
 
-/// One case of the interleaved comparison: runs `n` reads, returns the elapsed time.
-type Case<'a> = Box<dyn FnMut(u64, &mut Rng) -> Duration + 'a>;
+/// One case of the interleaved comparison: runs `n` reads, returns the elapsed time and adds
+/// each read's latency (µs, from its submission to its completion seen by the caller) to the
+/// vector.
+type Case<'a> = Box<dyn FnMut(u64, &mut Rng, &mut Vec<f64>) -> Duration + 'a>;
 
 /// Whether the command line selects the disk benchmarks (or none in particular).
 fn wants_ratios() -> bool {
@@ -914,9 +986,19 @@ fn ratios(cases: &mut [(&str, usize, Case<'_>)], rng: &mut Rng) {
     let mut per_read = vec![Vec::with_capacity(rounds); k];
     let mut cpu = vec![Vec::with_capacity(rounds); k];
     let mut process_cpu = vec![Vec::with_capacity(rounds); k];
+    // Every read's latency, pooled over the rounds.
+    let mut lat: Vec<Vec<f64>> = cases
+        .iter()
+        .map(|(_, depth, _)| Vec::with_capacity(rounds * reads(*depth)))
+        .collect();
+    // Each round's own p99.
+    let mut round_p99 = vec![Vec::with_capacity(rounds); k];
+    // Nearest rank of a sorted, non-empty sample.
+    let quantile =
+        |v: &[f64], q: f64| v[((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1];
     // One warm-up round, not counted.
     for (_, depth, run) in cases.iter_mut() {
-        run(reads(*depth) as u64 / 2, rng);
+        run(reads(*depth) as u64 / 2, rng, &mut Vec::new());
     }
     for _ in 0..rounds {
         // A fresh order each round, so that no case always follows the same one.
@@ -929,13 +1011,17 @@ fn ratios(cases: &mut [(&str, usize, Case<'_>)], rng: &mut Rng) {
             let n = reads(*depth) as u64;
             let before = shard_cpu_ns();
             let process_before = process_cpu_ns();
-            let took = run(n, rng);
+            let from = lat[i].len();
+            let took = run(n, rng, &mut lat[i]);
             let process_used = process_cpu_ns() - process_before;
             let used = shard_cpu_ns() - before;
             // Each case runs once a round: entry `r` is round `r`.
             per_read[i].push(took.as_secs_f64() * 1e6 / n as f64);
             cpu[i].push(used as f64 / took.as_nanos() as f64);
             process_cpu[i].push(process_used as f64 / 1e3 / n as f64);
+            let mut round = lat[i][from..].to_vec();
+            round.sort_by(f64::total_cmp);
+            round_p99[i].push(quantile(&round, 0.99));
         }
     }
     let idle = {
@@ -949,10 +1035,22 @@ fn ratios(cases: &mut [(&str, usize, Case<'_>)], rng: &mut Rng) {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
+    for l in &mut lat {
+        l.sort_by(f64::total_cmp);
+    }
     println!("disk/ratios: 4 KiB O_DIRECT random reads, {rounds} interleaved rounds, medians");
     println!(
-        "{:<28} {:>5} {:>10} {:>8} {:>12} {:>13}",
-        "case", "depth", "µs/read", "ratio", "I/O thr CPU", "CPU µs/read"
+        "{:<28} {:>5} {:>10} {:>8} {:>12} {:>13} {:>9} {:>9} {:>9} {:>10}",
+        "case",
+        "depth",
+        "µs/read",
+        "ratio",
+        "I/O thr CPU",
+        "CPU µs/read",
+        "p50 µs",
+        "p99 µs",
+        "p99 ratio",
+        "p99 r/rnd"
     );
     for i in 0..k {
         let (name, depth, _) = &cases[i];
@@ -962,14 +1060,22 @@ fn ratios(cases: &mut [(&str, usize, Case<'_>)], rng: &mut Rng) {
         let ratio: Vec<f64> = (0..rounds)
             .map(|r| per_read[i][r] / per_read[base][r])
             .collect();
+        let p99 = quantile(&lat[i], 0.99);
+        let round_ratio: Vec<f64> = (0..rounds)
+            .map(|r| round_p99[i][r] / round_p99[base][r])
+            .collect();
         println!(
-            "{:<28} {:>5} {:>10.1} {:>7.2}× {:>11.0}% {:>13.2}",
+            "{:<28} {:>5} {:>10.1} {:>7.2}× {:>11.0}% {:>13.2} {:>9.1} {:>9.1} {:>8.2}× {:>9.2}×",
             name,
             depth,
             median(per_read[i].clone()),
             median(ratio),
             100.0 * median(cpu[i].clone()),
-            median(process_cpu[i].clone())
+            median(process_cpu[i].clone()),
+            quantile(&lat[i], 0.5),
+            p99,
+            p99 / quantile(&lat[base], 0.99),
+            median(round_ratio)
         );
     }
     println!("shard threads while idle (0.5 s): {:.1}% CPU", 100.0 * idle);

@@ -1,5 +1,5 @@
-//! The caller's own io_uring: under [caller dispatch](crate::DispatcherBuilder::caller_dispatch),
-//! a [`ThrottledFile`](super::ThrottledFile) piece that may go at once
+//! The caller's own io_uring: under [caller dispatch](crate::DispatcherBuilder::caller_dispatch)
+//! (the default for files), a [`ThrottledFile`](super::ThrottledFile) piece that may go at once
 //! ([`Dispatcher::try_fast_costed`]) is issued from the thread that submits it, on a ring of
 //! that thread's, and its completion is reaped by a task on the caller's tokio runtime (woken by
 //! the runtime's I/O driver through the ring's eventfd): no shard thread wakes for it.
@@ -23,7 +23,7 @@ use std::sync::{Mutex, MutexGuard};
 
 use io_uring::{opcode, types, IoUring};
 use slab::Slab;
-use tokio::io::unix::AsyncFd;
+use tokio::io::unix::{AsyncFd, AsyncFdReadyGuard};
 use tokio::io::Interest;
 use tokio::runtime::{Handle, Id};
 
@@ -170,21 +170,35 @@ impl Drop for ReaperGuard {
 async fn reap_task(afd: AsyncFd<EventFd>, _guard: ReaperGuard) {
     let ring = afd.get_ref().0.clone();
     loop {
-        let mut ready = match afd.readable().await {
+        let ready = match afd.readable().await {
             Ok(r) => r,
             Err(e) => {
                 tracing::warn!("io_uring eventfd not pollable ({e}); reaping on a thread");
                 return;
             }
         };
-        // Cleared before the count is reset: a completion posted after it makes the fd
-        // readable again, so none is missed.
-        ready.clear_ready();
-        ring.eventfd.drain();
-        if ring.reap() {
+        if reap_woken(ready, &ring) {
             return;
         }
     }
+}
+
+/// One wake of the reaper: clears the readiness it was woken for, then reaps; whether the ring
+/// is done.
+///
+/// The eventfd's count is not reset (one system call a completion saved): tokio registers the
+/// fd edge-triggered, and the kernel queues a fresh epoll event for every completion it posts
+/// (io_uring signals the eventfd, whose wake-up puts the fd back on epoll's ready list) even
+/// while the count is already non-zero. So a completion posted after `clear_ready` (before or
+/// after the reap's look at the queue) wakes the reaper again: either the driver has seen its
+/// event already (a newer tick, and `clear_ready` leaves the readiness set) or the event still
+/// waits in epoll for the driver's next poll. Resetting the count after the reap would be the
+/// hazard: epoll re-checks an edge-triggered fd's state before reporting it, and a queued event
+/// for a count read back to zero is dropped.
+fn reap_woken(ready: AsyncFdReadyGuard<'_, EventFd>, ring: &CallerRing) -> bool {
+    let mut ready = ready;
+    ready.clear_ready();
+    ring.reap()
 }
 
 /// The calling thread's ring and the runtime its reaper runs on; let go of when the thread
@@ -293,7 +307,7 @@ pub(super) fn try_issue(
     io: RawIo,
 ) -> Result<PieceHandle, RawIo> {
     if backend != Resolved::IoUring
-        || !dispatcher.caller_dispatch()
+        || !dispatcher.caller_files()
         || crate::dispatcher::on_any_shard()
         || io.kind == OpKind::Fallocate
     {
@@ -347,4 +361,89 @@ pub(super) fn try_issue(
         ring.eventfd.notify();
     }
     Ok(handle)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    /// A liveness bound only: a wake-up that never comes fails the test instead of hanging it.
+    const GUARD: Duration = Duration::from_secs(30);
+
+    /// Posts one completion on the ring (a no-op, completed inline by the submit), under a key
+    /// no operation uses: `reap` takes it off the queue and has nothing to hand it to.
+    fn post(ring: &CallerRing) {
+        let mut g = ring.lock();
+        let nop = opcode::Nop::new().build().user_data(u64::MAX);
+        // SAFETY: a no-op names no buffer and no file.
+        unsafe { g.ring.submission().push(&nop) }.unwrap();
+        g.ring.submit_and_wait(1).unwrap();
+    }
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    /// The reaper's wakes with the eventfd's count never reset: each completion wakes it again,
+    /// wherever it lands against the reaper's `clear_ready` and its look at the queue.
+    #[test]
+    fn every_completion_wakes_the_reaper_without_the_eventfd_being_reset() {
+        let rt = runtime();
+        let ring = CallerRing::new().unwrap();
+        let afd = register(rt.handle(), &ring).unwrap();
+        rt.block_on(async {
+            let woken = || async {
+                tokio::time::timeout(GUARD, afd.readable())
+                    .await
+                    .expect("a posted completion wakes the reaper")
+                    .unwrap()
+            };
+            post(&ring);
+            let ready = woken().await;
+            // Posted after the wake, before `clear_ready`: the reap finds it.
+            post(&ring);
+            assert!(!reap_woken(ready, &ring));
+            assert!(ring.lock().ring.completion().is_empty(), "reaped");
+            // Posted after the reap: a new wake.
+            post(&ring);
+            let ready = woken().await;
+            assert!(!reap_woken(ready, &ring));
+            assert!(ring.lock().ring.completion().is_empty(), "reaped");
+            for _ in 0..100 {
+                post(&ring);
+                let ready = woken().await;
+                assert!(!reap_woken(ready, &ring));
+            }
+        });
+    }
+
+    /// The window the reaper's order keeps closed, shown to be harmless without a reset of the
+    /// count: a completion posted after the queue was looked at and before `clear_ready` (the
+    /// driver not run in between) still wakes the reaper, from epoll's queued event.
+    #[test]
+    fn a_completion_posted_after_the_reap_and_before_clear_ready_wakes_the_reaper() {
+        let rt = runtime();
+        let ring = CallerRing::new().unwrap();
+        let afd = register(rt.handle(), &ring).unwrap();
+        rt.block_on(async {
+            post(&ring);
+            let mut ready = tokio::time::timeout(GUARD, afd.readable())
+                .await
+                .unwrap()
+                .unwrap();
+            assert!(!ring.reap());
+            post(&ring);
+            ready.clear_ready();
+            let ready = tokio::time::timeout(GUARD, afd.readable())
+                .await
+                .expect("the completion posted before clear_ready wakes the reaper")
+                .unwrap();
+            assert!(!reap_woken(ready, &ring));
+        });
+    }
 }

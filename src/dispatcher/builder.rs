@@ -38,7 +38,8 @@ pub struct DispatcherBuilder {
     idle_credit: Option<u64>,
     capped: bool,
     pin: bool,
-    caller_dispatch: bool,
+    /// `None`: the default (files on the caller's ring, submitted futures on the shards).
+    caller_dispatch: Option<bool>,
     idle_poll: Duration,
     start_hook: Option<runner::StartHook>,
     stop_hook: Option<runner::StopHook>,
@@ -86,7 +87,7 @@ impl DispatcherBuilder {
             idle_credit: None,
             capped: true,
             pin: true,
-            caller_dispatch: false,
+            caller_dispatch: None,
             idle_poll: Self::DEFAULT_IDLE_POLL,
             start_hook: None,
             stop_hook: None,
@@ -200,30 +201,33 @@ impl DispatcherBuilder {
         self
     }
 
-    /// Dispatch from the caller's thread (default `false`): a request submitted with
-    /// [`Dispatcher::submit`] or [`Dispatcher::submit_to`] from outside the shards that can go
-    /// at once — its tokens are in the bucket, nothing of its class waits anywhere, the shares
-    /// let its class go — is not sent to a shard: its future runs inside its [`IoHandle`] on
-    /// the thread that awaits it, so no shard thread has to wake for it (the tokens, the
-    /// class's fairness and the stats are accounted exactly as for a shard's request). Should
-    /// the handle be dropped before the future ended, the future is sent to the shard and runs
-    /// to its end there.
+    /// Dispatch from the caller's thread: a request from outside the shards that can go at
+    /// once — its tokens are in the bucket, nothing of its class waits anywhere, the shares let
+    /// its class go — is not sent to a shard, so no shard thread has to wake for it (the
+    /// tokens, the class's fairness and the stats are accounted exactly as for a shard's
+    /// request).
     ///
-    /// A `ThrottledFile` piece that may go at once is issued on an io_uring ring of the calling
-    /// thread's own, reaped by the caller's tokio runtime (it needs the runtime's I/O driver;
-    /// without one, outside tokio, or on the blocking pool, the piece keeps the shard's path);
-    /// its buffer and tokens are held until the kernel completes it, even if its future is
-    /// dropped. See `docs/dispatcher.md`, "No hop when none is needed".
+    /// - **`ThrottledFile` I/O** (on unless this is set to `false`): a piece that may go at once
+    ///   is issued on an io_uring ring of the calling thread's own, reaped by the caller's
+    ///   tokio runtime (it needs the runtime's I/O driver; without one, outside tokio, or on the
+    ///   blocking pool, the piece keeps the shard's path); its buffer and tokens are held until
+    ///   the kernel completes it, even if its future is dropped. It takes a ring (an fd and
+    ///   locked memory) per calling thread that issues disk I/O.
+    /// - **Futures submitted** with [`Dispatcher::submit`] or [`Dispatcher::submit_to`] (only
+    ///   when this is set to `true`): the future of a request that can go at once runs inside
+    ///   its [`IoHandle`] on the thread that awaits it. Should the handle be dropped before the
+    ///   future ended, the future is sent to the shard and runs to its end there. Off unless
+    ///   asked for because it changes where a request's future runs: on the caller's thread and
+    ///   runtime, not on a shard; a future that spawns onto the shard's `LocalSet`, or relies
+    ///   on the shard's io_uring ring, needs the shard (use [`Dispatcher::spawn_on`] to run code
+    ///   on a shard).
     ///
-    /// Off by default because it changes where a request's future runs: on the caller's
-    /// thread and runtime, not on a shard; and it takes a ring (an fd and locked memory) per
-    /// calling thread that issues disk I/O. Turn it on when the futures do not need a shard's
-    /// runtime (a future that spawns onto the shard's `LocalSet`, or relies on the shard's
-    /// io_uring ring, does); use [`Dispatcher::spawn_on`] to run code on a shard.
+    /// `false` sends every request from outside the shards through a shard. See
+    /// `docs/dispatcher.md`, "No hop when none is needed".
     ///
     /// [`IoHandle`]: super::IoHandle
     pub fn caller_dispatch(mut self, on: bool) -> Self {
-        self.caller_dispatch = on;
+        self.caller_dispatch = Some(on);
         self
     }
 
@@ -560,7 +564,8 @@ impl DispatcherBuilder {
         );
         shared.gate = gate;
         shared.idle_poll = self.idle_poll;
-        shared.caller_dispatch = self.caller_dispatch;
+        shared.caller_dispatch = self.caller_dispatch == Some(true);
+        shared.caller_files = self.caller_dispatch != Some(false);
         Ok((Arc::new(shared), shards))
     }
 }

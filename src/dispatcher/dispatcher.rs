@@ -443,9 +443,10 @@ impl Dispatcher {
         Ok(SplitHandle::new(handles))
     }
 
-    /// Whether [caller dispatch](DispatcherBuilder::caller_dispatch) is on.
-    pub(crate) fn caller_dispatch(&self) -> bool {
-        self.shared.caller_dispatch
+    /// Whether [caller dispatch](DispatcherBuilder::caller_dispatch) is on for `ThrottledFile`
+    /// pieces.
+    pub(crate) fn caller_files(&self) -> bool {
+        self.shared.caller_files
     }
 
     /// The tokens of a request of `class` costing `cost` (checked by the caller: at most
@@ -461,7 +462,7 @@ impl Dispatcher {
         request: &IoRequest,
         cost: u64,
     ) -> Option<fast::FastDone> {
-        if !self.shared.caller_dispatch
+        if !self.shared.caller_files
             || self.current_shard().is_some()
             || self.check(shard, class).is_err()
             || cost > self.shared.max_cost

@@ -55,9 +55,12 @@ pub(crate) struct Shared {
     /// How long an idle shard keeps polling after its last activity before it parks
     /// ([`DispatcherBuilder::idle_poll`]).
     pub(crate) idle_poll: Duration,
-    /// Dispatch from the caller's thread when a request can go at once
-    /// ([`DispatcherBuilder::caller_dispatch`]).
+    /// Run a submitted future from the caller's thread when its request can go at once
+    /// ([`DispatcherBuilder::caller_dispatch`] set to `true`).
     pub(crate) caller_dispatch: bool,
+    /// Issue a `ThrottledFile` piece that can go at once on the caller's own ring
+    /// ([`DispatcherBuilder::caller_dispatch`] not set to `false`).
+    pub(crate) caller_files: bool,
     /// Per shard and class (`shard * classes + class`): the requests dispatched on their
     /// callers' threads on behalf of the shard, merged into its stats.
     pub(crate) fast: Box<[Mutex<ClassRecorder>]>,
@@ -176,6 +179,7 @@ impl Shared {
                 .map(|_| [AtomicU64::new(0), AtomicU64::new(0)])
                 .collect(),
             caller_dispatch: false,
+            caller_files: false,
             fast: (0..shards * classes_len)
                 .map(|_| Mutex::new(ClassRecorder::new()))
                 .collect(),
@@ -228,7 +232,7 @@ impl Shared {
     /// owed tokens). Not with a checkpoint gate, latency targets or a bandwidth cap on the
     /// class: those keep the shard's path.
     pub(crate) fn try_fast(&self, class: usize, shard: usize, cost: u64, now: Duration) -> bool {
-        if !self.caller_dispatch
+        if !(self.caller_dispatch || self.caller_files)
             || self.gate.is_some()
             || self.classes.latency().is_some()
             || self.classes.any_queued(class)

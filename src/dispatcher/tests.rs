@@ -1486,10 +1486,17 @@ fn a_request_goes_from_its_caller_only_with_nothing_of_its_class_waiting() {
     // An empty bucket: the shard's path, which waits for the tokens.
     shared.budget.grab(shared.budget.available());
     assert!(!shared.try_fast(c.0, 0, cost, Duration::ZERO));
-    // Off (the default): never.
+    // The default: for files only (their pieces), not for submitted futures.
     let mut b = builder(1);
     let c = b.add_class(ClassConfig::new("c", 100)).unwrap();
     let (shared, _) = b.shared().unwrap();
+    assert!(shared.caller_files && !shared.caller_dispatch);
+    assert!(shared.try_fast(c.0, 0, cost, Duration::ZERO));
+    // Off: never.
+    let mut b = builder(1).caller_dispatch(false);
+    let c = b.add_class(ClassConfig::new("c", 100)).unwrap();
+    let (shared, _) = b.shared().unwrap();
+    assert!(!shared.caller_files && !shared.caller_dispatch);
     assert!(!shared.try_fast(c.0, 0, cost, Duration::ZERO));
 }
 
