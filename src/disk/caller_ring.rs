@@ -382,20 +382,23 @@ mod tests {
         g.ring.submit_and_wait(1).unwrap();
     }
 
-    fn runtime() -> tokio::runtime::Runtime {
-        tokio::runtime::Builder::new_current_thread()
+    /// A current-thread runtime and a caller ring whose eventfd is registered with it, as the
+    /// reaper sees it. Bound in this order, they drop in reverse: the registration first.
+    fn registered() -> (tokio::runtime::Runtime, Arc<CallerRing>, AsyncFd<EventFd>) {
+        let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
-            .unwrap()
+            .unwrap();
+        let ring = CallerRing::new().unwrap();
+        let afd = register(rt.handle(), &ring).unwrap();
+        (rt, ring, afd)
     }
 
     /// The reaper's wakes with the eventfd's count never reset: each completion wakes it again,
     /// wherever it lands against the reaper's `clear_ready` and its look at the queue.
     #[test]
     fn every_completion_wakes_the_reaper_without_the_eventfd_being_reset() {
-        let rt = runtime();
-        let ring = CallerRing::new().unwrap();
-        let afd = register(rt.handle(), &ring).unwrap();
+        let (rt, ring, afd) = registered();
         rt.block_on(async {
             let woken = || async {
                 tokio::time::timeout(GUARD, afd.readable())
@@ -427,9 +430,7 @@ mod tests {
     /// driver not run in between) still wakes the reaper, from epoll's queued event.
     #[test]
     fn a_completion_posted_after_the_reap_and_before_clear_ready_wakes_the_reaper() {
-        let rt = runtime();
-        let ring = CallerRing::new().unwrap();
-        let afd = register(rt.handle(), &ring).unwrap();
+        let (rt, ring, afd) = registered();
         rt.block_on(async {
             post(&ring);
             let mut ready = tokio::time::timeout(GUARD, afd.readable())
