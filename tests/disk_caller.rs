@@ -115,10 +115,7 @@ fn caller_dispatched_io_round_trips_on_a_current_thread_runtime_with_the_shard_b
     let path = dir.path().join("data");
     let f =
         Arc::new(ThrottledFile::open(d.clone(), class, path, options(Backend::IoUring)).unwrap());
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = common::disk::rt_io();
     in_time(&rt, round_trip(d.clone(), f));
     // 8 × (1 write + 2 reads) of one piece, then 64 + 64 pieces.
     check_accounted(&d, &rt, 8 * 3 + 128);
@@ -149,6 +146,18 @@ struct Watched {
     dropped: Arc<AtomicBool>,
 }
 
+impl Watched {
+    /// One page of `byte`, and the flag its drop sets.
+    fn page(byte: u8) -> (Watched, Arc<AtomicBool>) {
+        let dropped = Arc::new(AtomicBool::new(false));
+        let buf = Watched {
+            buf: AlignedBuf::from_slice(&[byte; ALIGN]).unwrap(),
+            dropped: dropped.clone(),
+        };
+        (buf, dropped)
+    }
+}
+
 impl Drop for Watched {
     fn drop(&mut self) {
         self.dropped.store(true, Ordering::SeqCst);
@@ -168,9 +177,6 @@ unsafe impl IoBuf for Watched {
     }
 }
 
-/// A write into a full pipe stays in flight on the caller's ring; its future is dropped. The
-/// buffer lives and the tokens stay taken until the kernel completes the write; then both go,
-/// and shutdown does not wait for anything.
 /// A `ThrottledFile` on the write end of an O_DIRECT pipe whose one-page buffer is full (the
 /// next write stays in flight until the read end is read), the read end, and its dispatcher.
 fn full_pipe_file() -> (std::fs::File, ThrottledFile, Arc<Dispatcher>) {
@@ -201,20 +207,16 @@ fn full_pipe_file() -> (std::fs::File, ThrottledFile, Arc<Dispatcher>) {
     (rd, f, d)
 }
 
+/// A write into a full pipe stays in flight on the caller's ring; its future is dropped. The
+/// buffer lives and the tokens stay taken until the kernel completes the write; then both go,
+/// and shutdown does not wait for anything.
 #[test]
 fn a_dropped_caller_dispatched_write_keeps_its_buffer_and_tokens_until_the_kernel_is_done() {
     let (mut rd, f, d) = full_pipe_file();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let dropped = Arc::new(AtomicBool::new(false));
+    let rt = common::disk::rt_io();
+    let (buf, dropped) = Watched::page(9);
     let blocked = block_shard(&d);
     rt.block_on(async {
-        let buf = Watched {
-            buf: AlignedBuf::from_slice(&[9u8; ALIGN]).unwrap(),
-            dropped: dropped.clone(),
-        };
         let mut write = Box::pin(f.write_at(buf, 0));
         std::future::poll_fn(|cx| {
             assert!(write.as_mut().poll(cx).is_pending(), "the pipe is full");
@@ -290,17 +292,11 @@ fn caller_dispatch_falls_back_to_the_shard_without_an_io_driver_or_on_the_blocki
     let (d, class) = dispatcher();
     let f =
         Arc::new(ThrottledFile::open(d.clone(), class, &path, options(Backend::IoUring)).unwrap());
-    let io = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    let io = common::disk::rt_io();
     let (res, _) = io.block_on(f.write_at(AlignedBuf::from_slice(&stamp(1)).unwrap(), 0));
     res.unwrap();
     // A runtime without its I/O driver: nothing could reap a caller's ring.
-    let no_io = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .build()
-        .unwrap();
+    let no_io = common::disk::rt();
     takes_the_shard_path(&d, f.clone(), &no_io);
     takes_the_shard_path(&d, f.clone(), &no_io);
     // The blocking pool.
@@ -337,18 +333,11 @@ fn caller_dispatch_falls_back_to_the_shard_without_an_io_driver_or_on_the_blocki
 #[test]
 fn a_runtime_shut_down_mid_io_leaves_the_write_to_a_reaper_thread() {
     let (mut rd, f, d) = full_pipe_file();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let dropped = Arc::new(AtomicBool::new(false));
+    let rt = common::disk::rt_io();
+    let (buf, dropped) = Watched::page(5);
     let blocked = block_shard(&d);
     let f = Arc::new(f);
     let writer = f.clone();
-    let buf = Watched {
-        buf: AlignedBuf::from_slice(&[5u8; ALIGN]).unwrap(),
-        dropped: dropped.clone(),
-    };
     let write = rt.spawn(async move { writer.write_at(buf, 0).await.0 });
     rt.block_on(async {
         for _ in 0..10 {
@@ -371,10 +360,7 @@ fn a_runtime_shut_down_mid_io_leaves_the_write_to_a_reaper_thread() {
         std::thread::sleep(Duration::from_millis(1));
     }
     drop(blocked);
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = common::disk::rt_io();
     check_accounted(&d, &rt, 1);
     d.shutdown();
 }
@@ -387,14 +373,8 @@ fn a_thread_moving_to_another_runtime_gets_a_ring_reaped_there() {
     let (d, class) = dispatcher();
     let path = dir.path().join("data");
     let f = ThrottledFile::open(d.clone(), class, path, options(Backend::IoUring)).unwrap();
-    let first = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let second = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    let first = common::disk::rt_io();
+    let second = common::disk::rt_io();
     let blocked = block_shard(&d);
     let (res, _) = in_time(
         &first,
@@ -420,10 +400,7 @@ fn a_thread_moving_to_another_runtime_gets_a_ring_reaped_there() {
 fn by_default_file_pieces_go_from_the_callers_ring_and_submitted_futures_run_on_the_shard() {
     let dir = scratch();
     let path = dir.path().join("data");
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = common::disk::rt_io();
     let (d, class) = common::disk::build(common::disk::builder(true));
     let f =
         Arc::new(ThrottledFile::open(d.clone(), class, &path, options(Backend::IoUring)).unwrap());

@@ -5,6 +5,8 @@
 
 mod common;
 
+use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use common::pg::{cluster_or_skip, PgCluster};
@@ -95,7 +97,7 @@ fn hostile_options() -> LeaseOptions {
 /// Stops [`hammer`]'s tasks, waits for them, and returns the most one key may have been
 /// granted from `start` to now (the server's clock).
 async fn stop_hammer(
-    stop: &std::sync::atomic::AtomicBool,
+    stop: &AtomicBool,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     pg: &PgCluster,
     opts: &LeaseOptions,
@@ -109,16 +111,38 @@ async fn stop_hammer(
     opts.bound(1, end.duration_since(start).unwrap())
 }
 
-/// Calls on `HOSTILE_KEYS` keys from 8 tasks until `stop`; per key the grants, and the
-/// errors seen (each must be a typed connection or server error).
-fn hammer(
-    l: std::sync::Arc<PgLeasedLimiter>,
-    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    granted: std::sync::Arc<Vec<std::sync::atomic::AtomicU64>>,
-    errors: std::sync::Arc<std::sync::atomic::AtomicU64>,
-) -> Vec<tokio::task::JoinHandle<()>> {
+/// A limiter on `conn` with [`hostile_options`] and two connections.
+async fn hostile_limiter(conn: &str) -> Arc<PgLeasedLimiter> {
+    Arc::new(
+        PgLeasedLimiter::connect(
+            conn,
+            PgOptions::new().with_connections(2),
+            hostile_options(),
+        )
+        .await
+        .unwrap(),
+    )
+}
+
+/// [`hammer`]'s tasks, the flag that stops them, and what they count.
+struct Hammer {
+    stop: Arc<AtomicBool>,
+    /// Per key, the grants.
+    granted: Arc<Vec<AtomicU64>>,
+    /// The errors seen (each a typed connection or server error).
+    errors: Arc<AtomicU64>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+/// Calls on `HOSTILE_KEYS` keys from 8 tasks until `stop` is set; returns once every key was
+/// granted at least once (`what` names that wait if it hangs).
+async fn hammer(l: Arc<PgLeasedLimiter>, what: &str) -> Hammer {
     use std::sync::atomic::Ordering::Relaxed;
-    (0..8)
+    let stop = Arc::new(AtomicBool::new(false));
+    let granted: Arc<Vec<AtomicU64>> =
+        Arc::new((0..HOSTILE_KEYS).map(|_| AtomicU64::new(0)).collect());
+    let errors = Arc::new(AtomicU64::new(0));
+    let tasks = (0..8)
         .map(|t| {
             let (l, stop, granted, errors) =
                 (l.clone(), stop.clone(), granted.clone(), errors.clone());
@@ -145,7 +169,14 @@ fn hammer(
                 }
             })
         })
-        .collect()
+        .collect();
+    until(what, || counts(&granted).iter().all(|&g| g > 0)).await;
+    Hammer {
+        stop,
+        granted,
+        errors,
+        tasks,
+    }
 }
 
 /// Waits (yielding, with a generous guard against a hang) until `cond` holds.
@@ -185,32 +216,20 @@ fn every_key_advanced(v: &[std::sync::atomic::AtomicU64], then: &[u64]) -> bool 
 /// `rate × W + burst + max_lease` (one process) over the whole run on the server's clock.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_stopped_under_batched_load() {
-    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
-    use std::sync::Arc;
+    use std::sync::atomic::Ordering::Relaxed;
     let Some(pg) = cluster_or_skip("server_stopped_under_batched_load") else {
         return;
     };
     let start = server_now(&pg).await;
     let opts = hostile_options();
-    let l = Arc::new(
-        PgLeasedLimiter::connect(
-            &pg.connection_string(),
-            PgOptions::new().with_connections(2),
-            opts,
-        )
-        .await
-        .unwrap(),
-    );
+    let l = hostile_limiter(&pg.connection_string()).await;
     l.install().await.unwrap();
-    let stop = Arc::new(AtomicBool::new(false));
-    let granted: Arc<Vec<AtomicU64>> =
-        Arc::new((0..HOSTILE_KEYS).map(|_| AtomicU64::new(0)).collect());
-    let errors = Arc::new(AtomicU64::new(0));
-    let tasks = hammer(l.clone(), stop.clone(), granted.clone(), errors.clone());
-    until("every key granted", || {
-        counts(&granted).iter().all(|&g| g > 0)
-    })
-    .await;
+    let Hammer {
+        stop,
+        granted,
+        errors,
+        tasks,
+    } = hammer(l.clone(), "every key granted").await;
     let pg = tokio::task::spawn_blocking(move || {
         let mut pg = pg;
         pg.stop();
@@ -248,32 +267,11 @@ async fn server_stopped_under_batched_load() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "started as a child process by kill_9_of_a_process_holding_leases"]
 async fn leased_kill_child() {
-    use std::sync::atomic::{AtomicBool, AtomicU64};
-    use std::sync::Arc;
     let Ok(conn) = std::env::var("IOTHROTTLE_KILL_CHILD") else {
         return;
     };
-    let l = Arc::new(
-        PgLeasedLimiter::connect(
-            &conn,
-            PgOptions::new().with_connections(2),
-            hostile_options(),
-        )
-        .await
-        .unwrap(),
-    );
-    let granted: Arc<Vec<AtomicU64>> =
-        Arc::new((0..HOSTILE_KEYS).map(|_| AtomicU64::new(0)).collect());
-    let _tasks = hammer(
-        l,
-        Arc::new(AtomicBool::new(false)),
-        granted.clone(),
-        Arc::new(AtomicU64::new(0)),
-    );
-    until("every key granted", || {
-        counts(&granted).iter().all(|&g| g > 0)
-    })
-    .await;
+    // Held while the process waits to be killed: its tasks keep leasing.
+    let _hammer = hammer(hostile_limiter(&conn).await, "every key granted").await;
     println!("LEASING");
     std::future::pending::<()>().await;
 }
@@ -286,8 +284,7 @@ async fn leased_kill_child() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_of_a_process_holding_leases() {
     use std::io::BufRead;
-    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
-    use std::sync::Arc;
+    use std::sync::atomic::Ordering::Relaxed;
     let Some(pg) = cluster_or_skip("kill_9_of_a_process_holding_leases") else {
         return;
     };
@@ -317,24 +314,13 @@ async fn kill_9_of_a_process_holding_leases() {
     .unwrap();
     assert!(ready, "the child leased");
     let opts = hostile_options();
-    let l = Arc::new(
-        PgLeasedLimiter::connect(
-            &pg.connection_string(),
-            PgOptions::new().with_connections(2),
-            opts,
-        )
-        .await
-        .unwrap(),
-    );
-    let stop = Arc::new(AtomicBool::new(false));
-    let granted: Arc<Vec<AtomicU64>> =
-        Arc::new((0..HOSTILE_KEYS).map(|_| AtomicU64::new(0)).collect());
-    let errors = Arc::new(AtomicU64::new(0));
-    let tasks = hammer(l.clone(), stop.clone(), granted.clone(), errors.clone());
-    until("both processes lease every key", || {
-        counts(&granted).iter().all(|&g| g > 0)
-    })
-    .await;
+    let l = hostile_limiter(&pg.connection_string()).await;
+    let Hammer {
+        stop,
+        granted,
+        errors,
+        tasks,
+    } = hammer(l.clone(), "both processes lease every key").await;
     child.kill().unwrap(); // SIGKILL
     child.wait().unwrap();
     let at_kill = counts(&granted);

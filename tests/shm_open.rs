@@ -40,14 +40,28 @@ fn two_handles_on_one_path_share_rovers_and_rate() {
     assert_eq!(names.len(), 1, "{names:?}");
 }
 
-#[test]
-fn replenish_through_one_handle_is_seen_by_the_other_exactly() {
-    let dir = tempfile::tempdir().unwrap();
+/// Two handles on one bucket file in `dir`, and the manual clock both read (set to the system's
+/// monotonic time).
+fn two_handles(
+    dir: &tempfile::TempDir,
+) -> (
+    ManualClock,
+    SharedTokenBucket<Uncapped, ManualClock>,
+    SharedTokenBucket<Uncapped, ManualClock>,
+) {
     let path = dir.path().join("b");
     let clock = ManualClock::new();
     clock.set(SystemMonotonicClock.now()).unwrap();
-    let a = SharedTokenBucket::<Uncapped, _>::open_with_clock(&path, cfg(), clock.clone()).unwrap();
-    let b = SharedTokenBucket::<Uncapped, _>::open_with_clock(&path, cfg(), clock.clone()).unwrap();
+    let open =
+        || SharedTokenBucket::<Uncapped, _>::open_with_clock(&path, cfg(), clock.clone()).unwrap();
+    let (a, b) = (open(), open());
+    (clock, a, b)
+}
+
+#[test]
+fn replenish_through_one_handle_is_seen_by_the_other_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let (clock, a, b) = two_handles(&dir);
     assert_eq!(a.replenish(), 10_000); // the first fill
     let t = b.grab(10_000 + 2_500);
     assert_eq!(a.deficiency(t), 2_500);
@@ -61,11 +75,7 @@ fn a_rate_changed_through_one_handle_prices_the_other_handles_next_replenish() {
     // Each handle keeps its own cache of the shared rate for its replenishes: a change through
     // one handle must reach the other's next replenish, whose cache holds the old rate.
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("b");
-    let clock = ManualClock::new();
-    clock.set(SystemMonotonicClock.now()).unwrap();
-    let a = SharedTokenBucket::<Uncapped, _>::open_with_clock(&path, cfg(), clock.clone()).unwrap();
-    let b = SharedTokenBucket::<Uncapped, _>::open_with_clock(&path, cfg(), clock.clone()).unwrap();
+    let (clock, a, b) = two_handles(&dir);
     assert_eq!(a.replenish(), 10_000); // the first fill
     a.grab(10_000);
     clock.advance(Duration::from_micros(100));

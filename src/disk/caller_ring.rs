@@ -195,8 +195,7 @@ async fn reap_task(afd: AsyncFd<EventFd>, _guard: ReaperGuard) {
 /// waits in epoll for the driver's next poll. Resetting the count after the reap would be the
 /// hazard: epoll re-checks an edge-triggered fd's state before reporting it, and a queued event
 /// for a count read back to zero is dropped.
-fn reap_woken(ready: AsyncFdReadyGuard<'_, EventFd>, ring: &CallerRing) -> bool {
-    let mut ready = ready;
+fn reap_woken(mut ready: AsyncFdReadyGuard<'_, EventFd>, ring: &CallerRing) -> bool {
     ready.clear_ready();
     ring.reap()
 }

@@ -1500,12 +1500,17 @@ fn a_request_goes_from_its_caller_only_with_nothing_of_its_class_waiting() {
     assert!(!shared.try_fast(c.0, 0, cost, Duration::ZERO));
 }
 
-/// The shares hold for requests from callers: a class whose virtual time is ahead of a
-/// backlogged class's by more than the window waits in its shard's queue even with tokens in
-/// the bucket, and a class that was idle banks no credit (its virtual time is lifted as when it
-/// becomes backlogged).
-#[test]
-fn a_request_goes_from_its_caller_only_when_the_shares_let_its_class_go() {
+/// A caller-dispatching dispatcher with classes fg (400 shares) and bg (100), tokens in the
+/// bucket, and one request of `cost` (a 4 KiB read) of bg waiting in the shard's queue.
+struct BgWaiting {
+    shared: Arc<Shared>,
+    core: ShardCore<Flag>,
+    fg: ClassId,
+    bg: ClassId,
+    cost: u64,
+}
+
+fn bg_waiting() -> BgWaiting {
     let mut b = builder(1).capped(false).caller_dispatch(true);
     let fg = b.add_class(ClassConfig::new("fg", 400)).unwrap();
     let bg = b.add_class(ClassConfig::new("bg", 100)).unwrap();
@@ -1513,9 +1518,31 @@ fn a_request_goes_from_its_caller_only_when_the_shares_let_its_class_go() {
     let mut core = ShardCore::<Flag>::new(shared.clone(), 0);
     let cost = shared.disk.cost(&IoRequest::read(4096));
     shared.budget.replenish_at(Duration::ZERO);
-    // bg backlogged; fg far ahead of it.
     let (entry, _) = flagged(bg, cost);
     core.enqueue(entry);
+    BgWaiting {
+        shared,
+        core,
+        fg,
+        bg,
+        cost,
+    }
+}
+
+/// The shares hold for requests from callers: a class whose virtual time is ahead of a
+/// backlogged class's by more than the window waits in its shard's queue even with tokens in
+/// the bucket, and a class that was idle banks no credit (its virtual time is lifted as when it
+/// becomes backlogged).
+#[test]
+fn a_request_goes_from_its_caller_only_when_the_shares_let_its_class_go() {
+    let BgWaiting {
+        shared,
+        mut core,
+        fg,
+        bg,
+        cost,
+    } = bg_waiting();
+    // fg far ahead of the backlogged bg.
     shared.classes.charge(fg.0, 0, 100 * shared.batch);
     assert!(shared.budget.available() >= cost);
     assert!(!shared.try_fast(fg.0, 0, cost, Duration::ZERO));
@@ -1573,15 +1600,13 @@ fn a_saturating_class_gets_the_rate_from_a_disk_that_keeps_the_pace_on_average()
 /// fairness window would allow between shards.
 #[test]
 fn a_request_from_its_caller_does_not_overtake_a_waiting_class_behind_it() {
-    let mut b = builder(1).capped(false).caller_dispatch(true);
-    let fg = b.add_class(ClassConfig::new("fg", 400)).unwrap();
-    let bg = b.add_class(ClassConfig::new("bg", 100)).unwrap();
-    let (shared, _) = b.shared().unwrap();
-    let mut core = ShardCore::<Flag>::new(shared.clone(), 0);
-    let cost = shared.disk.cost(&IoRequest::read(4096));
-    shared.budget.replenish_at(Duration::ZERO);
-    let (entry, _) = flagged(bg, cost);
-    core.enqueue(entry);
+    let BgWaiting {
+        shared,
+        mut core,
+        fg,
+        bg,
+        cost,
+    } = bg_waiting();
     // fg just ahead of the waiting bg.
     while crate::bucket::ahead(shared.classes.vtime(fg.0), shared.classes.vtime(bg.0)) <= 0 {
         shared.classes.charge(fg.0, 0, cost);

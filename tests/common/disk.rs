@@ -45,6 +45,15 @@ pub fn dispatcher(capped: bool) -> (Arc<Dispatcher>, ClassId) {
     build(builder(capped))
 }
 
+/// A current-thread runtime with timers and an I/O driver: a caller whose file pieces may go on
+/// its own ring.
+pub fn rt_io() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
 /// A current-thread runtime with timers, for the callers' side.
 pub fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
