@@ -14,6 +14,7 @@ use super::budget::Budget;
 use super::class::{ClassConfig, ClassId, Classes};
 use super::cost::{DiskModel, IoKind, IoRequest, SPLIT_ALIGN};
 use super::runner;
+use super::slice;
 use super::state::{ArcClock, Shared};
 use super::Dispatcher;
 
@@ -25,7 +26,8 @@ use super::Dispatcher;
 /// and the bucket is [capped](Self::capped), so at most 0.75 ms of modelled disk time is
 /// dispatched and not yet completed — requests of at most half the goal (larger ones are split
 /// by [`Dispatcher::submit_split`]), reservations of 250 µs of disk time but at most an eighth
-/// of the limit (94 µs for the default goal), a replenish threshold of 20 µs, threads pinned.
+/// of the limit (94 µs for the default goal), a replenish threshold of 20 µs, threads pinned
+/// and asking the OS scheduler for a 100 µs [slice](Self::shard_slice).
 pub struct DispatcherBuilder {
     shards: Option<usize>,
     disk: Option<DiskModel>,
@@ -38,6 +40,7 @@ pub struct DispatcherBuilder {
     idle_credit: Option<u64>,
     capped: bool,
     pin: bool,
+    slice: Option<Duration>,
     /// `None`: the default (files on the caller's ring, submitted futures on the shards).
     caller_dispatch: Option<bool>,
     idle_poll: Duration,
@@ -63,6 +66,7 @@ impl fmt::Debug for DispatcherBuilder {
             .field("max_cost", &self.max_cost)
             .field("batch", &self.batch)
             .field("capped", &self.capped)
+            .field("shard_slice", &self.slice)
             .field("on_shard_start", &self.start_hook.is_some())
             .field("on_shard_stop", &self.stop_hook.is_some())
             .field("classes", &self.classes)
@@ -87,6 +91,7 @@ impl DispatcherBuilder {
             idle_credit: None,
             capped: true,
             pin: true,
+            slice: Some(Self::DEFAULT_SHARD_SLICE),
             caller_dispatch: None,
             idle_poll: Self::DEFAULT_IDLE_POLL,
             start_hook: None,
@@ -198,6 +203,32 @@ impl DispatcherBuilder {
     /// unpinned and a `tracing` warning says so.
     pub fn pin_threads(mut self, pin: bool) -> Self {
         self.pin = pin;
+        self
+    }
+
+    /// The default [shard slice](Self::shard_slice): 100 µs, the shortest Linux grants.
+    pub const DEFAULT_SHARD_SLICE: Duration = Duration::from_micros(100);
+
+    /// The time slice each shard thread asks the OS scheduler for, or `None` to leave the
+    /// threads' scheduling as it is. Default [`DEFAULT_SHARD_SLICE`](Self::DEFAULT_SHARD_SLICE);
+    /// accepted from 100 µs to 100 ms, the range Linux grants
+    /// ([`BuildError::ShardSliceOutOfRange`] otherwise).
+    ///
+    /// Linux 6.12 and later (EEVDF custom slices, `sched_setattr`; no privilege needed) give a
+    /// woken thread with a shorter slice an earlier deadline, so a shard woken by a completion
+    /// or a request takes its core from an application thread that keeps the core busy instead
+    /// of waiting for that thread's slice to run out (up to a scheduler tick, 4 ms at 250 Hz).
+    /// With a spinning thread on each core, the main job's foreground p99 was lower with the
+    /// default slice than without it (see `docs/dispatcher.md`, "Who runs when"). Older
+    /// kernels accept the request and ignore it.
+    ///
+    /// The slice is set after the thread pins itself and before the
+    /// [`on_shard_start`](Self::on_shard_start) hook, which may change it. The shard keeps its
+    /// policy and nice value (inherited from the thread that calls `build`); a shard whose
+    /// policy is real-time or deadline is left as it is. Should the OS refuse, the shard runs
+    /// with its default slice and a `tracing` warning says so.
+    pub fn shard_slice(mut self, slice: Option<Duration>) -> Self {
+        self.slice = slice;
         self
     }
 
@@ -431,12 +462,23 @@ impl DispatcherBuilder {
 
     /// Checks the configuration and starts the shards.
     pub fn build(self) -> Result<Dispatcher, BuildError> {
+        if let Some(slice) = self.slice {
+            if !(slice::MIN..=slice::MAX).contains(&slice) {
+                return Err(BuildError::ShardSliceOutOfRange {
+                    slice,
+                    min: slice::MIN,
+                    max: slice::MAX,
+                });
+            }
+        }
         let (shared, shards) = self.shared()?;
-        let hooks = runner::Hooks {
+        let threads = runner::Threads {
+            pin: self.pin,
+            slice: self.slice,
             start: self.start_hook,
             stop: self.stop_hook,
         };
-        Dispatcher::start(shared, shards, self.pin, hooks)
+        Dispatcher::start(shared, shards, threads)
     }
 
     /// The shared state this configuration describes, and the number of shards.

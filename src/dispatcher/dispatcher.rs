@@ -66,9 +66,9 @@ impl Dispatcher {
     pub(super) fn start(
         shared: Arc<Shared>,
         shards: usize,
-        pin: bool,
-        hooks: runner::Hooks,
+        threads: runner::Threads,
     ) -> Result<Self, BuildError> {
+        let pin = threads.pin;
         let cores = if pin {
             core_affinity::get_core_ids().filter(|c| !c.is_empty())
         } else {
@@ -102,7 +102,7 @@ impl Dispatcher {
             let (tx, rx) = unbounded_channel();
             let core = cores.as_ref().map(|c| c[index % c.len()]);
             let timer = (fine.clone(), wake_timer.clone());
-            let (hook, ready) = match &hooks.start {
+            let (hook, ready) = match &threads.start {
                 Some(h) => {
                     let (tx, rx) = std::sync::mpsc::sync_channel(1);
                     (Some((h.clone(), tx)), Some(rx))
@@ -111,8 +111,9 @@ impl Dispatcher {
             };
             let start = runner::Start {
                 core,
+                slice: threads.slice,
                 hook,
-                stop: hooks.stop.clone(),
+                stop: threads.stop.clone(),
                 tx: tx.downgrade(),
             };
             let thread = runner::spawn(index, id, shared.clone(), rx, rt, start, timer).map_err(

@@ -103,6 +103,17 @@ pub enum BuildError {
         /// The smallest latency goal whose default `max_cost` fits one 4 KiB request.
         needed_goal: Duration,
     },
+    /// The [shard slice](crate::dispatcher::DispatcherBuilder::shard_slice) is outside what the
+    /// OS grants.
+    #[error("the shard slice must be in {min:?}..={max:?}, got {slice:?}")]
+    ShardSliceOutOfRange {
+        /// The slice, as given.
+        slice: Duration,
+        /// The shortest slice accepted.
+        min: Duration,
+        /// The longest slice accepted.
+        max: Duration,
+    },
     /// A token amount (`max_cost` or `batch`) is 0 or above the bucket's limit.
     #[error("{what} = {value} must be in 1..={limit}")]
     TokensOutOfRange {

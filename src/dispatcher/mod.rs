@@ -62,6 +62,7 @@ mod shard;
 pub(crate) mod shard_io;
 #[cfg(target_os = "linux")]
 mod shard_timer;
+mod slice;
 mod spawn;
 mod state;
 mod stats;

@@ -98,17 +98,21 @@ pub(crate) type StartHook = Arc<dyn Fn(usize) -> std::io::Result<()> + Send + Sy
 /// [`DispatcherBuilder::on_shard_stop`]: super::DispatcherBuilder::on_shard_stop
 pub(crate) type StopHook = Arc<dyn Fn(usize) + Send + Sync>;
 
-/// The hooks a builder was given.
-pub(crate) struct Hooks {
+/// What a builder says about the shard threads: pinned or not, the slice they ask for, the
+/// hooks.
+pub(crate) struct Threads {
+    pub(crate) pin: bool,
+    pub(crate) slice: Option<Duration>,
     pub(crate) start: Option<StartHook>,
     pub(crate) stop: Option<StopHook>,
 }
 
-/// How a shard thread starts: the core it pins itself to, the hook it runs after that with
-/// the channel its outcome goes back on (the builder waits for it), and the hook it runs as it
-/// ends.
+/// How a shard thread starts: the core it pins itself to, the slice it asks for, the hook it
+/// runs after that with the channel its outcome goes back on (the builder waits for it), and
+/// the hook it runs as it ends.
 pub(crate) struct Start {
     pub(crate) core: Option<core_affinity::CoreId>,
+    pub(crate) slice: Option<Duration>,
     pub(crate) hook: Option<(StartHook, std::sync::mpsc::SyncSender<std::io::Result<()>>)>,
     pub(crate) stop: Option<StopHook>,
     /// The shard's own channel, for code running on it ([`spawn::current_shard`]).
@@ -163,6 +167,15 @@ pub(crate) fn spawn(
                         shard = index,
                         core = core.id,
                         "could not pin the shard thread to its core; it runs unpinned"
+                    );
+                }
+            }
+            if let Some(slice) = start.slice {
+                if let Err(e) = super::slice::set_current(slice) {
+                    tracing::warn!(
+                        shard = index,
+                        "could not set the shard thread's scheduler slice ({e}); it runs with \
+                         its default"
                     );
                 }
             }
