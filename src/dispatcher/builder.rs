@@ -218,9 +218,10 @@ impl DispatcherBuilder {
     /// woken thread with a shorter slice an earlier deadline, so a shard woken by a completion
     /// or a request takes its core from an application thread that keeps the core busy instead
     /// of waiting for that thread's slice to run out (up to a scheduler tick, 4 ms at 250 Hz).
-    /// With a spinning thread on each core, the main job's foreground p99 was lower with the
-    /// default slice than without it (see `docs/dispatcher.md`, "Who runs when"). Older
-    /// kernels accept the request and ignore it.
+    /// With a spinning thread on each core, the main job's foreground p99 was lower with
+    /// shards at 100 µs than at the kernel's default slice in each of six alternating runs (see
+    /// `docs/dispatcher.md`, "Busy cores: who runs when"). Older kernels accept the request and
+    /// ignore it.
     ///
     /// The slice is set after the thread pins itself and before the
     /// [`on_shard_start`](Self::on_shard_start) hook, which may change it. The shard keeps its

@@ -10,7 +10,7 @@
 //! its core back quickly when an application thread keeps that core busy. Older kernels accept
 //! the call and ignore the value.
 //!
-//! Measured in `docs/dispatcher.md` ("Who runs when").
+//! Measured in `docs/dispatcher.md` ("Busy cores: who runs when").
 
 use std::io;
 use std::time::Duration;
