@@ -95,21 +95,24 @@ mod tests {
     use crate::dispatcher::{ClassConfig, DiskModel, Dispatcher, DispatcherBuilder, Figures};
     use crate::BuildError;
 
-    /// Whether the running kernel keeps a custom slice (Linux 6.12 and later): a thread asks
-    /// for one and reads it back.
-    fn kernel_keeps_slices() -> bool {
-        std::thread::spawn(|| {
+    /// Whether the running kernel lacks custom slices (before Linux 6.12), said loudly: a
+    /// thread asks for one and reads it back.
+    fn no_custom_slices() -> bool {
+        let kept = std::thread::spawn(|| {
             set_current(Duration::from_micros(300)).unwrap()
                 && current().unwrap().sched_runtime == 300_000
         })
         .join()
-        .unwrap()
+        .unwrap();
+        if !kept {
+            eprintln!("!!!!!!!! SKIPPED !!!!!!!! this kernel has no custom slices (Linux < 6.12)");
+        }
+        !kept
     }
 
     #[test]
     fn a_thread_gets_the_slice_it_asks_for_and_keeps_its_nice_value() {
-        if !kernel_keeps_slices() {
-            eprintln!("!!!!!!!! SKIPPED !!!!!!!! this kernel has no custom slices (Linux < 6.12)");
+        if no_custom_slices() {
             return;
         }
         std::thread::spawn(|| {
@@ -131,8 +134,7 @@ mod tests {
 
     #[test]
     fn a_batch_thread_stays_batch() {
-        if !kernel_keeps_slices() {
-            eprintln!("!!!!!!!! SKIPPED !!!!!!!! this kernel has no custom slices (Linux < 6.12)");
+        if no_custom_slices() {
             return;
         }
         std::thread::spawn(|| {
@@ -160,26 +162,28 @@ mod tests {
             .build()
     }
 
-    /// Each shard's slice, read on the shard, in ns.
-    fn shard_slices(d: &Dispatcher) -> Vec<u64> {
+    /// `f`'s answer on each shard, in shard order.
+    fn on_each_shard<T: Send + 'static>(d: &Dispatcher, f: fn() -> T) -> Vec<T> {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .unwrap();
         (0..d.shards())
             .map(|s| {
-                let on_shard = d
-                    .spawn_on(s, || async { current().unwrap().sched_runtime })
-                    .unwrap();
-                rt.block_on(on_shard).unwrap()
+                rt.block_on(d.spawn_on(s, move || async move { f() }).unwrap())
+                    .unwrap()
             })
             .collect()
     }
 
+    /// Each shard's slice, read on the shard, in ns.
+    fn shard_slices(d: &Dispatcher) -> Vec<u64> {
+        on_each_shard(d, || current().unwrap().sched_runtime)
+    }
+
     #[test]
     fn shards_ask_for_the_default_slice_the_one_given_or_none() {
-        if !kernel_keeps_slices() {
-            eprintln!("!!!!!!!! SKIPPED !!!!!!!! this kernel has no custom slices (Linux < 6.12)");
+        if no_custom_slices() {
             return;
         }
         let d = two_shards(Dispatcher::builder()).unwrap();
@@ -201,8 +205,7 @@ mod tests {
 
     #[test]
     fn the_start_hook_runs_after_the_slice_is_set_and_may_change_it() {
-        if !kernel_keeps_slices() {
-            eprintln!("!!!!!!!! SKIPPED !!!!!!!! this kernel has no custom slices (Linux < 6.12)");
+        if no_custom_slices() {
             return;
         }
         let d = two_shards(Dispatcher::builder().on_shard_start(|_| {
@@ -225,21 +228,10 @@ mod tests {
                 return None;
             }
             let d = two_shards(Dispatcher::builder()).unwrap();
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            let attrs: Vec<(u32, u32)> = (0..d.shards())
-                .map(|s| {
-                    let on_shard = d
-                        .spawn_on(s, || async {
-                            let a = current().unwrap();
-                            (a.sched_policy, a.sched_priority)
-                        })
-                        .unwrap();
-                    rt.block_on(on_shard).unwrap()
-                })
-                .collect();
+            let attrs = on_each_shard(&d, || {
+                let a = current().unwrap();
+                (a.sched_policy, a.sched_priority)
+            });
             d.shutdown();
             Some(attrs)
         })
