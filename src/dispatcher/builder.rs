@@ -223,6 +223,11 @@ impl DispatcherBuilder {
     /// `docs/dispatcher.md`, "Busy cores: who runs when"). Older kernels accept the request and
     /// ignore it.
     ///
+    /// The cost is on CPU-bound shards: a shard that runs long stretches of CPU work (engine
+    /// tasks given to [`Dispatcher::spawn_on`] that compute for milliseconds) is preempted
+    /// after each 100 µs when another thread wants its core, a context switch each time; a
+    /// longer slice, or `None`, suits such shards.
+    ///
     /// The slice is set after the thread pins itself and before the
     /// [`on_shard_start`](Self::on_shard_start) hook, which may change it. The shard keeps its
     /// policy and nice value (inherited from the thread that calls `build`); a shard whose
