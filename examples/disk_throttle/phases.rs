@@ -13,6 +13,7 @@ use iothrottle::disk::{AlignedBuf as DiskBuf, ThrottledFile};
 use iothrottle::dispatcher::{ClassId, Dispatcher, DispatcherStats};
 use iothrottle::{DiskError, Throttle, Uncapped};
 
+use crate::alarm::Alarm;
 use crate::args::Args;
 use crate::direct::{DiskBusy, Rng};
 use crate::open_loop::Schedule;
@@ -177,6 +178,10 @@ pub(crate) async fn reader(
     let Ok(mut buf) = DiskBuf::zeroed(READ_BYTES as usize) else {
         return;
     };
+    let Ok(alarm) = Alarm::new() else {
+        rec.fg_errors.fetch_add(1, Ordering::Relaxed);
+        return;
+    };
     while let Some(at) = sched.next_arrival() {
         let now = Instant::now();
         if now >= give_up {
@@ -189,7 +194,10 @@ pub(crate) async fn reader(
             }
             return;
         }
-        tokio::time::sleep_until(at.into()).await;
+        if alarm.until(at).await.is_err() {
+            rec.fg_errors.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
         let issued = Instant::now();
         let off = region.0 + rng.below(slots) * READ_BYTES;
         let (r, b) = io.file.read_at_in(io.fg, buf, off).await;
