@@ -1,13 +1,11 @@
-//! The main job's (`examples/disk_throttle`) flags, its open-loop arithmetic and the readers'
-//! alarm, compiled from the example's own modules.
+//! The main job's (`examples/disk_throttle`) flags and its open-loop arithmetic, compiled from
+//! the example's own modules.
 #![cfg(feature = "rt")] // the example needs the tokio layers
 
 use std::time::{Duration, Instant};
 
 use clap::Parser;
 
-#[path = "../examples/disk_throttle/alarm.rs"]
-mod alarm;
 #[path = "../examples/disk_throttle/args.rs"]
 #[allow(dead_code)] // the example uses every item; this test a few
 mod args;
@@ -132,40 +130,4 @@ fn rounds_report_the_median_and_the_worst() {
     assert_eq!(r.worst_p99(), Duration::from_micros(900));
     assert_eq!(r.median_bg(), 300.0);
     assert_eq!(r.worst_bg(), 250.0, "the worst bandwidth is the lowest");
-}
-
-/// A reader's alarm never returns before its arrival, on a runtime that parks (current-thread)
-/// and on a multi-thread one; an arrival already past returns at once, and one alarm serves
-/// many arrivals in turn.
-#[test]
-fn the_alarm_never_wakes_a_reader_before_its_arrival() {
-    let current = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let multi = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    for rt in [&current, &multi] {
-        rt.block_on(async {
-            // A liveness bound only: an alarm that never rings fails instead of hanging.
-            let guard = Duration::from_secs(30);
-            let a = alarm::Alarm::new().unwrap();
-            let start = Instant::now();
-            tokio::time::timeout(guard, a.until(start))
-                .await
-                .expect("a past arrival returns at once")
-                .unwrap();
-            for k in 1..=50u64 {
-                let at = start + Duration::from_micros(300 * k);
-                tokio::time::timeout(guard, a.until(at))
-                    .await
-                    .expect("the alarm rings")
-                    .unwrap();
-                assert!(Instant::now() >= at, "arrival {k} woke early");
-            }
-        });
-    }
 }

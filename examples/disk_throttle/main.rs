@@ -3,8 +3,9 @@
 //! This file runs the phases in turn; beside it: the flags (`args.rs`), the checks before any
 //! work (`checks.rs`), O_DIRECT buffers and files (`direct.rs`), the quick disk model
 //! (`quick_model.rs`), the phases and their drivers (`phases.rs`), the open-loop schedule
-//! (`open_loop.rs`), the readers' wake-up at their arrivals (`alarm.rs`), the report (`report.rs`), the plot (`plot.rs`) and the modelled demo
-//! (`modelled.rs`).
+//! (`open_loop.rs`), the report (`report.rs`), the plot (`plot.rs`) and the modelled demo
+//! (`modelled.rs`); the readers wake at their arrivals on the crate's own timerfd
+//! (`src/dispatcher/shard_timer.rs`, compiled in).
 //!
 //! ```text
 //! cargo run --release --example disk_throttle
@@ -36,7 +37,7 @@
 //!    (together `--fg-iops`); a read's latency counts from its scheduled arrival to its
 //!    completion, and a reader that falls behind never moves its schedule: the backlog shows as
 //!    latency (`open_loop.rs`). A reader wakes for its arrival on a timerfd of its own runtime
-//!    (`alarm.rs`): tokio's timer ticks in whole milliseconds and would wake it up to 2 ms late,
+//!    (`shard_timer.rs`): tokio's timer ticks in whole milliseconds and would wake it up to 2 ms late,
 //!    more on a runtime that parks than on a shard that polls, ten times a 4 KiB read's own
 //!    latency. The `lag p99` column (arrival to issue) shows what is left.
 //! 4. `--saturate` runs one spinning thread per core for the whole run.
@@ -59,7 +60,6 @@ use iothrottle::dispatcher::{
 };
 use iothrottle::{BucketConfig, Rate, Throttle, Uncapped};
 
-mod alarm;
 mod args;
 mod checks;
 mod direct;
@@ -69,6 +69,10 @@ mod phases;
 mod plot;
 mod quick_model;
 mod report;
+// The crate's own timerfd (its shards' short sleeps), compiled here for the readers' arrivals.
+#[path = "../../src/dispatcher/shard_timer.rs"]
+#[allow(dead_code)] // the example arms and awaits it; the shards' helpers stay unused
+mod shard_timer;
 
 use args::Args;
 use checks::check_args;

@@ -13,11 +13,11 @@ use iothrottle::disk::{AlignedBuf as DiskBuf, ThrottledFile};
 use iothrottle::dispatcher::{ClassId, Dispatcher, DispatcherStats};
 use iothrottle::{DiskError, Throttle, Uncapped};
 
-use crate::alarm::Alarm;
 use crate::args::Args;
 use crate::direct::{DiskBusy, Rng};
 use crate::open_loop::Schedule;
 use crate::report::{new_hist, print_row, record, Row};
+use crate::shard_timer::ShardTimer;
 use crate::{BoxError, READ_BYTES};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -178,7 +178,8 @@ pub(crate) async fn reader(
     let Ok(mut buf) = DiskBuf::zeroed(READ_BYTES as usize) else {
         return;
     };
-    let Ok(alarm) = Alarm::new() else {
+    // The arrivals' timer: tokio's ticks in whole milliseconds.
+    let Ok(alarm) = ShardTimer::new() else {
         rec.fg_errors.fetch_add(1, Ordering::Relaxed);
         return;
     };
@@ -194,9 +195,16 @@ pub(crate) async fn reader(
             }
             return;
         }
-        if alarm.until(at).await.is_err() {
-            rec.fg_errors.fetch_add(1, Ordering::Relaxed);
-            return;
+        let wait = at.saturating_duration_since(Instant::now());
+        if !wait.is_zero() {
+            let rung = match alarm.arm(wait) {
+                Ok(()) => alarm.expired().await,
+                Err(e) => Err(e),
+            };
+            if rung.is_err() {
+                rec.fg_errors.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
         }
         let issued = Instant::now();
         let off = region.0 + rng.below(slots) * READ_BYTES;

@@ -175,6 +175,36 @@ mod tests {
         });
     }
 
+    /// An armed timer never completes before its time, on a runtime that parks (current-thread)
+    /// and on a multi-thread one (the main job's readers wait for their arrivals on it), and
+    /// one timer serves many armings in turn.
+    #[test]
+    fn an_armed_timer_never_expires_before_its_time() {
+        let multi = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("a runtime");
+        for rt in [&rt(), &multi] {
+            rt.block_on(async {
+                // A liveness bound only: a timer that never expires fails instead of hanging.
+                let guard = Duration::from_secs(30);
+                let t = ShardTimer::new().expect("a timerfd");
+                let start = std::time::Instant::now();
+                for k in 1..=50u64 {
+                    let at = start + Duration::from_micros(300 * k);
+                    t.arm(at.saturating_duration_since(std::time::Instant::now()))
+                        .expect("armed");
+                    tokio::time::timeout(guard, t.expired())
+                        .await
+                        .expect("the timer expires")
+                        .expect("read");
+                    assert!(std::time::Instant::now() >= at, "arming {k} expired early");
+                }
+            });
+        }
+    }
+
     /// How long until `t` expires, as the kernel holds it (zero: disarmed).
     fn armed_for(t: &ShardTimer) -> Duration {
         let spec = rustix::time::timerfd_gettime(t.fd.get_ref()).expect("timerfd_gettime");

@@ -4,8 +4,8 @@
 //! ask for a shorter slice than the default with `sched_setattr` (`sched_runtime`); no
 //! privilege is needed, since it asks for less CPU at a time, not more CPU. A woken thread
 //! with a shorter slice gets an earlier virtual deadline and may preempt a thread running a
-//! longer one, and a thread that runs at most one short slice at a time never gets far ahead
-//! of its fair share, so it is eligible to run as soon as it wakes again. A shard runs a little
+//! longer one, and a thread that runs at most one short slice at a time stays close to its
+//! fair share, so it is usually eligible to run when it wakes again. A shard runs a little
 //! at a time (a completion, a dispatch) thousands of times a second: with a short slice it gets
 //! its core back quickly when an application thread keeps that core busy. Older kernels accept
 //! the call and ignore the value.
@@ -227,6 +227,7 @@ mod tests {
             if unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &param) } != 0 {
                 return None;
             }
+            assert!(!set_current(MIN).unwrap(), "a FIFO thread is not asked");
             let d = two_shards(Dispatcher::builder()).unwrap();
             let attrs = on_each_shard(&d, || {
                 let a = current().unwrap();
