@@ -73,12 +73,7 @@ fn two_classes(
 ) -> (Arc<Dispatcher>, [iothrottle::dispatcher::ClassId; 2]) {
     let mut b = builder.shards(1).pin_threads(false);
     let fg = b.add_class(ClassConfig::new("fg", 800)).unwrap();
-    let bg = b
-        .add_class(
-            ClassConfig::new("bg", 200)
-                .with_max_in_flight(DispatcherBuilder::DEFAULT_LATENCY_GOAL / 4),
-        )
-        .unwrap();
+    let bg = b.add_class(ClassConfig::background("bg", 200)).unwrap();
     (Arc::new(b.build().unwrap()), [fg, bg])
 }
 
@@ -371,6 +366,48 @@ fn a_disk_no_request_fits_is_refused_at_build_with_the_goal_that_would_fit() {
         .build()
         .unwrap();
     assert_eq!(d.max_piece(IoKind::Read), Some(ALIGN as u64));
+}
+
+/// A background class's in-flight bound follows the goal it is built with, whatever the order
+/// of the builder's calls; a bound of its own wins; an ordinary class has none.
+#[test]
+fn a_background_class_is_bounded_by_a_part_of_the_goal() {
+    let div = ClassConfig::BACKGROUND_GOAL_DIVISOR;
+    let bg = ClassConfig::background("bg", 200);
+    assert!(bg.is_background() && !ClassConfig::new("fg", 1).is_background());
+    assert_eq!(
+        bg.max_in_flight(),
+        None,
+        "resolved when the dispatcher is built"
+    );
+    for goal in [
+        None,
+        Some(Duration::from_micros(300)),
+        Some(Duration::from_millis(4)),
+    ] {
+        let mut b = Dispatcher::builder()
+            .disk(FAST)
+            .shards(1)
+            .pin_threads(false);
+        let fg = b.add_class(ClassConfig::new("fg", 800)).unwrap();
+        let bg = b.add_class(ClassConfig::background("bg", 200)).unwrap();
+        let own = b
+            .add_class(
+                ClassConfig::background("own", 100).with_max_in_flight(Duration::from_micros(7)),
+            )
+            .unwrap();
+        if let Some(g) = goal {
+            b = b.latency_goal(g);
+        }
+        let d = b.build().unwrap();
+        let goal = goal.unwrap_or(DispatcherBuilder::DEFAULT_LATENCY_GOAL);
+        assert_eq!(d.latency_goal(), goal);
+        let bound = |c| d.class_config(c).unwrap().max_in_flight();
+        assert_eq!(bound(bg), Some(goal / div), "goal {goal:?}");
+        assert_eq!(bound(own), Some(Duration::from_micros(7)));
+        assert_eq!(bound(fg), None);
+        d.shutdown();
+    }
 }
 
 /// The piece size follows the class: a class bounded in flight gets pieces within its bound,

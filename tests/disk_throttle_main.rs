@@ -24,7 +24,7 @@ fn the_defaults_leave_the_dispatcher_to_the_builder() {
     let a = parse(&[]).unwrap();
     assert_eq!(a.goal_us, None, "the builder's default goal");
     assert_eq!(a.shards, None, "the builder's default shards");
-    assert_eq!(a.bg_in_flight_us, None, "a quarter of the goal");
+    assert_eq!(a.bg_in_flight_us, None, "a background class's bound");
     assert!(!a.saturate && !a.no_bg_bound && !a.uncapped);
     assert_eq!(
         (a.fg_iops, a.fg_depth, a.bg_kib, a.bg_depth),

@@ -50,8 +50,8 @@ pub struct Args {
     #[arg(long)]
     pub goal_us: Option<u64>,
     /// The most disk time the compaction may hold in flight, microseconds
-    /// (`ClassConfig::with_max_in_flight`). Default: a quarter of the goal, the recommended
-    /// configuration.
+    /// (`ClassConfig::with_max_in_flight`). Default: a background class's bound, the goal
+    /// divided by `ClassConfig::BACKGROUND_GOAL_DIVISOR` (the recommended configuration).
     #[arg(long)]
     pub bg_in_flight_us: Option<u64>,
     /// No in-flight bound on the compaction (for comparison).

@@ -55,9 +55,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use iothrottle::disk::{FileOptions, ThrottledFile};
-use iothrottle::dispatcher::{
-    ClassConfig, ClassId, DiskModel, Dispatcher, DispatcherBuilder, Figures, IoRequest,
-};
+use iothrottle::dispatcher::{ClassConfig, ClassId, DiskModel, Dispatcher, Figures, IoRequest};
 use iothrottle::{BucketConfig, Rate, Throttle, Uncapped};
 
 mod args;
@@ -186,8 +184,9 @@ fn real_disk(args: &Args) -> Result<(), BoxError> {
     result
 }
 
-/// The recommended configuration (docs/disk.md): the builder's defaults, the compaction bounded
-/// to a quarter of the goal in flight. The flags only override what they name.
+/// The recommended configuration (docs/disk.md): the builder's defaults, the compaction a
+/// background class (its disk time in flight bounded by the goal). The flags only override what
+/// they name.
 fn dispatcher(
     args: &Args,
     disk: DiskModel,
@@ -195,10 +194,6 @@ fn dispatcher(
     file: &File,
     path: &Path,
 ) -> Result<(Arc<Dispatcher>, Arc<Io>), BoxError> {
-    let goal = args.goal_us.map_or(
-        DispatcherBuilder::DEFAULT_LATENCY_GOAL,
-        Duration::from_micros,
-    );
     let mut b = Dispatcher::builder().disk(disk).capped(!args.uncapped);
     if let Some(us) = args.goal_us {
         b = b.latency_goal(Duration::from_micros(us));
@@ -210,12 +205,12 @@ fn dispatcher(
     if let Some(t) = target {
         fg = fg.with_latency_target(t);
     }
-    let mut bg = ClassConfig::new("compaction", args.shares.1);
-    match (args.no_bg_bound, args.bg_in_flight_us) {
-        (true, _) => {}
-        (false, Some(us)) => bg = bg.with_max_in_flight(Duration::from_micros(us)),
-        (false, None) => bg = bg.with_max_in_flight(goal / 4),
-    }
+    let bg = match (args.no_bg_bound, args.bg_in_flight_us) {
+        (true, _) => ClassConfig::new("compaction", args.shares.1),
+        (false, Some(us)) => ClassConfig::background("compaction", args.shares.1)
+            .with_max_in_flight(Duration::from_micros(us)),
+        (false, None) => ClassConfig::background("compaction", args.shares.1),
+    };
     let fg = b.add_class(fg)?;
     let bg = b.add_class(bg)?;
     let d = Arc::new(b.build()?);

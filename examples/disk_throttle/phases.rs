@@ -178,7 +178,7 @@ pub(crate) async fn reader(
     let Ok(mut buf) = DiskBuf::zeroed(READ_BYTES as usize) else {
         return;
     };
-    // The arrivals' timer: tokio's ticks in whole milliseconds.
+    // The arrivals' timer: a timerfd, since tokio's timer ticks in whole milliseconds.
     let Ok(alarm) = ShardTimer::new() else {
         rec.fg_errors.fetch_add(1, Ordering::Relaxed);
         return;

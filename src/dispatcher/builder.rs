@@ -594,13 +594,12 @@ impl DispatcherBuilder {
             }
         }
         let idle_credit = self.idle_credit.unwrap_or(batch);
-        let classes = Classes::new(
-            self.classes.clone(),
-            shards,
-            (batch, idle_credit),
-            rate,
-            &clock,
-        )?;
+        let configs = self
+            .classes
+            .iter()
+            .map(|c| c.resolved(self.latency_goal))
+            .collect();
+        let classes = Classes::new(configs, shards, (batch, idle_credit), rate, &clock)?;
         let mut shared = Shared::new(
             budget,
             classes,
