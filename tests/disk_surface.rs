@@ -279,14 +279,19 @@ fn a_cancelled_transfer_hands_the_buffer_back() {
     let f = ThrottledFile::open(d.clone(), class, &path, opts).unwrap();
     let reader =
         std::thread::spawn(move || rt().block_on(f.read_at(CacheBlock::new(4 * ALIGN, 77), 0)));
-    // Wait until a piece is queued behind the first (no timing asserted: a bound on the wait).
+    // Wait until the three pieces after the first are all queued (no timing asserted: a bound
+    // on the wait). A piece not yet submitted at the shutdown would be refused instead
+    // (`DiskError::Submit`), which is the error the transfer then returns.
     let mut waited = Duration::ZERO;
     loop {
         let s = d.stats_blocking();
-        if s.classes[class.index()].queued >= 1 {
+        if s.classes[class.index()].queued >= 3 {
             break;
         }
-        assert!(waited < Duration::from_secs(60), "no piece was ever queued");
+        assert!(
+            waited < Duration::from_secs(60),
+            "the pieces were never all queued"
+        );
         std::thread::sleep(Duration::from_millis(5));
         waited += Duration::from_millis(5);
     }

@@ -561,6 +561,24 @@ mod tests {
     use super::*;
     use crate::clock::ManualClock;
 
+    /// A goal too short to divide still leaves a background class a valid bound (1 ns: one
+    /// request at a time), never the zero bound `validate` refuses.
+    #[test]
+    fn a_background_bound_is_never_zero() {
+        let bg = ClassConfig::background("bg", 1);
+        for (goal, bound) in [(1, 1), (15, 1), (16, 1), (33, 2), (750_000, 46_875)] {
+            let c = bg.resolved(Duration::from_nanos(goal));
+            assert_eq!(
+                c.max_in_flight(),
+                Some(Duration::from_nanos(bound)),
+                "goal {goal} ns"
+            );
+            assert!(c.validate().is_ok());
+        }
+        let plain = ClassConfig::new("fg", 1).resolved(Duration::from_nanos(750_000));
+        assert_eq!(plain.max_in_flight(), None);
+    }
+
     #[test]
     fn shares_are_checked() {
         let clock: ArcClock = Arc::new(ManualClock::new());
