@@ -195,7 +195,8 @@ pub(crate) async fn reader(
             }
             return;
         }
-        let wait = at.saturating_duration_since(Instant::now());
+        // Armed after `now`: it rings at `at` or later, never before.
+        let wait = at.saturating_duration_since(now);
         if !wait.is_zero() {
             let rung = match alarm.arm(wait) {
                 Ok(()) => alarm.expired().await,
