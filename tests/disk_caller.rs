@@ -4,15 +4,16 @@
 //! the shard's path.
 
 use std::future::Future;
-use std::os::fd::FromRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
-use iothrottle::disk::{AlignedBuf, Backend, FileOptions, IoBuf, ThrottledFile, ALIGN};
+use iothrottle::disk::{AlignedBuf, Backend, FileOptions, ThrottledFile, ALIGN};
 use iothrottle::dispatcher::{ClassId, Dispatcher};
 
 mod common;
+
+use common::disk::stamp;
 
 /// A liveness bound only: a test that would hang fails after it instead.
 const GUARD: Duration = Duration::from_secs(60);
@@ -46,10 +47,6 @@ fn options(backend: Backend) -> FileOptions {
     }
 }
 
-fn stamp(i: usize) -> Vec<u8> {
-    (0..4 * ALIGN).map(|b| (i * 31 + b / 512) as u8).collect()
-}
-
 /// Writes and reads back blocks one piece at a time (each goes at once) while the shard is
 /// blocked, then a large transfer (more pieces than the bucket holds at once: some queue on the
 /// shard) once it is free again.
@@ -57,13 +54,7 @@ async fn round_trip(d: Arc<Dispatcher>, f: Arc<ThrottledFile>) {
     let blocked = block_shard(&d);
     for i in 0..8 {
         let at = (i * 4 * ALIGN) as u64;
-        let (res, _) = f
-            .write_at(AlignedBuf::from_slice(&stamp(i)).unwrap(), at)
-            .await;
-        res.unwrap();
-        let (n, back) = f.read_at(AlignedBuf::zeroed(4 * ALIGN).unwrap(), at).await;
-        assert_eq!(n.unwrap(), 4 * ALIGN);
-        assert!(back[..] == stamp(i)[..], "block {i} read back");
+        common::disk::write_and_read_back(&f, i).await;
         // A future that moves: read again from a task of its own (another worker on a
         // multi-thread runtime).
         let g = f.clone();
@@ -140,70 +131,11 @@ fn caller_dispatched_io_round_trips_on_a_multi_thread_runtime_with_the_shard_blo
     d.shutdown();
 }
 
-/// A caller's buffer that records when it is dropped.
-struct Watched {
-    buf: AlignedBuf,
-    dropped: Arc<AtomicBool>,
-}
-
-impl Watched {
-    /// One page of `byte`, and the flag its drop sets.
-    fn page(byte: u8) -> (Watched, Arc<AtomicBool>) {
-        let dropped = Arc::new(AtomicBool::new(false));
-        let buf = Watched {
-            buf: AlignedBuf::from_slice(&[byte; ALIGN]).unwrap(),
-            dropped: dropped.clone(),
-        };
-        (buf, dropped)
-    }
-}
-
-impl Drop for Watched {
-    fn drop(&mut self) {
-        self.dropped.store(true, Ordering::SeqCst);
-    }
-}
-
-// SAFETY: delegates to the `AlignedBuf` it owns, whose memory does not move with `Watched`.
-unsafe impl IoBuf for Watched {
-    fn stable_ptr(&self) -> *const u8 {
-        self.buf.stable_ptr()
-    }
-    fn bytes_init(&self) -> usize {
-        self.buf.bytes_init()
-    }
-    fn bytes_total(&self) -> usize {
-        self.buf.bytes_total()
-    }
-}
-
 /// A `ThrottledFile` on the write end of an O_DIRECT pipe whose one-page buffer is full (the
 /// next write stays in flight until the read end is read), the read end, and its dispatcher.
 fn full_pipe_file() -> (std::fs::File, ThrottledFile, Arc<Dispatcher>) {
-    let mut fds = [0; 2];
-    // SAFETY: `fds` has room for the two descriptors.
-    assert_eq!(
-        unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_DIRECT | libc::O_CLOEXEC) },
-        0
-    );
-    // SAFETY: both descriptors were just made and are owned by nothing else.
-    let (rd, mut wr) = unsafe {
-        (
-            std::fs::File::from_raw_fd(fds[0]),
-            std::fs::File::from_raw_fd(fds[1]),
-        )
-    };
-    // SAFETY: plain fcntl on our own descriptor.
-    assert!(unsafe { libc::fcntl(fds[1], libc::F_SETPIPE_SZ, ALIGN as libc::c_int) } >= 0);
-    std::io::Write::write_all(&mut wr, &[1u8; ALIGN]).unwrap();
     let (d, class) = dispatcher();
-    let opts = FileOptions {
-        backend: Backend::IoUring,
-        write: true,
-        reserve_writes: false,
-        ..FileOptions::default()
-    };
-    let f = ThrottledFile::from_file(d.clone(), class, wr, "pipe", opts).unwrap();
+    let (rd, f) = common::disk::full_pipe_file(&d, class);
     (rd, f, d)
 }
 
@@ -214,7 +146,7 @@ fn full_pipe_file() -> (std::fs::File, ThrottledFile, Arc<Dispatcher>) {
 fn a_dropped_caller_dispatched_write_keeps_its_buffer_and_tokens_until_the_kernel_is_done() {
     let (mut rd, f, d) = full_pipe_file();
     let rt = common::disk::rt_io();
-    let (buf, dropped) = Watched::page(9);
+    let (buf, dropped) = common::disk::Watched::page(9);
     let blocked = block_shard(&d);
     rt.block_on(async {
         let mut write = Box::pin(f.write_at(buf, 0));
@@ -229,17 +161,10 @@ fn a_dropped_caller_dispatched_write_keeps_its_buffer_and_tokens_until_the_kerne
         !dropped.load(Ordering::SeqCst),
         "the kernel still holds the buffer"
     );
-    let s = d.bucket_state();
-    assert!(
-        s.ceil.unwrap().wrapping_sub(s.tail) < d.limit(),
-        "the write's tokens are held while it is in flight"
-    );
+    common::disk::assert_tokens_held(&d);
     // Issued without the shard (it is blocked): make room, the kernel completes it, and the
     // caller's runtime reaps it.
-    let mut page = vec![0u8; ALIGN];
-    std::io::Read::read_exact(&mut rd, &mut page).unwrap();
-    std::io::Read::read_exact(&mut rd, &mut page).unwrap();
-    assert!(page.iter().all(|&b| b == 9), "the dropped write's bytes");
+    common::disk::drain_full_pipe(&mut rd, 9);
     in_time(&rt, async {
         while !dropped.load(Ordering::SeqCst) {
             tokio::task::yield_now().await;
@@ -334,7 +259,7 @@ fn caller_dispatch_falls_back_to_the_shard_without_an_io_driver_or_on_the_blocki
 fn a_runtime_shut_down_mid_io_leaves_the_write_to_a_reaper_thread() {
     let (mut rd, f, d) = full_pipe_file();
     let rt = common::disk::rt_io();
-    let (buf, dropped) = Watched::page(5);
+    let (buf, dropped) = common::disk::Watched::page(5);
     let blocked = block_shard(&d);
     let f = Arc::new(f);
     let writer = f.clone();
@@ -347,13 +272,8 @@ fn a_runtime_shut_down_mid_io_leaves_the_write_to_a_reaper_thread() {
     assert!(!write.is_finished(), "the pipe is full");
     drop(rt);
     assert!(!dropped.load(Ordering::SeqCst), "the kernel still holds it");
-    let mut page = vec![0u8; ALIGN];
-    std::io::Read::read_exact(&mut rd, &mut page).unwrap();
-    std::io::Read::read_exact(&mut rd, &mut page).unwrap();
-    assert!(
-        page.iter().all(|&b| b == 5),
-        "written from the caller's ring"
-    );
+    // Written from the caller's ring.
+    common::disk::drain_full_pipe(&mut rd, 5);
     let waited = std::time::Instant::now();
     while !dropped.load(Ordering::SeqCst) {
         assert!(waited.elapsed() < GUARD, "the completion was never reaped");

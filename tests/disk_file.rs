@@ -2,7 +2,6 @@
 //! `ThrottledFile`: real O_DIRECT I/O through the dispatcher, on io_uring and on the blocking
 //! pool; bad input; completions releasing capped tokens.
 
-use std::os::fd::FromRawFd;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -182,23 +181,7 @@ fn memory_file_systems_are_not_disks() {
 /// and in capped mode its tokens are held until the write completes, then released.
 #[test]
 fn io_in_flight_does_not_block_the_shard_and_holds_capped_tokens() {
-    let mut fds = [0; 2];
-    // SAFETY: `fds` has room for the two descriptors.
-    assert_eq!(
-        unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_DIRECT | libc::O_CLOEXEC) },
-        0
-    );
-    // SAFETY: both descriptors were just made and are owned by nothing else.
-    let (mut rd, mut wr) = unsafe {
-        (
-            std::fs::File::from_raw_fd(fds[0]),
-            std::fs::File::from_raw_fd(fds[1]),
-        )
-    };
-    // One page of pipe buffer, filled: the next write waits for a reader.
-    // SAFETY: plain fcntl on our own descriptor.
-    assert!(unsafe { libc::fcntl(fds[1], libc::F_SETPIPE_SZ, ALIGN as libc::c_int) } >= 0);
-    std::io::Write::write_all(&mut wr, &[1u8; ALIGN]).unwrap();
+    let (mut rd, wr) = common::disk::full_pipe();
     let (d, class) = dispatcher(true);
     let opts = FileOptions {
         backend: Backend::IoUring,

@@ -61,6 +61,15 @@ fn saturate_and_the_short_run_flags_parse() {
 }
 
 #[test]
+fn a_compaction_of_depth_zero_runs_the_foreground_alone() {
+    let a = parse(&["--bg-depth", "0"]).unwrap();
+    assert_eq!(a.bg_depth, 0);
+    check_values(&a).unwrap();
+    let err = check_values(&parse(&["--bg-depth", "257"]).unwrap()).unwrap_err();
+    assert!(err.contains("--bg-depth"), "{err}");
+}
+
+#[test]
 fn bad_flags_are_refused_with_the_flag_named() {
     for (flags, needle) in [
         (&["--goal-us", "0"][..], "--goal-us"),

@@ -59,6 +59,10 @@
 //! - `throttled_file_on_shard`: the reads are issued from tasks running *on* the shard
 //!   (thread-per-core use: the engine's code runs on the shards), so only the completion is a
 //!   hop, inside the shard.
+//! - `throttled_file_on_shard_caller` (in `disk/ratios` only): the same on the dispatcher of
+//!   `throttled_file_caller` (the default caller dispatch): a read that may go at once is
+//!   issued by its task on the shard's ring and submitted there and then, without the shard's
+//!   queue, loop or flush task.
 //!
 //! Before the criterion groups, `disk/ratios` runs every case in interleaved rounds (each case
 //! once per round, in a fresh random order), so that the noise of a shared machine hits all alike, and prints the median
@@ -708,7 +712,7 @@ pub fn disk(c: &mut Criterion) {
                 &floor_tx,
                 &batch_file,
             );
-            let caller_file = &caller_file;
+            let (caller_file, caller_dispatcher) = (&caller_file, &caller_dispatcher);
             cases.push((
                 "direct_io_uring",
                 depth,
@@ -775,6 +779,22 @@ pub fn disk(c: &mut Criterion) {
                 depth,
                 Box::new(move |n, rng, lat| {
                     on_shard(rt, dispatcher, class, file, depth, n, rng, lat)
+                }),
+            ));
+            cases.push((
+                "throttled_file_on_shard_caller",
+                depth,
+                Box::new(move |n, rng, lat| {
+                    on_shard(
+                        rt,
+                        caller_dispatcher,
+                        caller_class,
+                        caller_file,
+                        depth,
+                        n,
+                        rng,
+                        lat,
+                    )
                 }),
             ));
         }

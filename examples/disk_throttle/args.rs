@@ -38,7 +38,8 @@ pub struct Args {
     /// Size of one compaction write, KiB (a multiple of 4, at most 65536).
     #[arg(long, default_value_t = 1024)]
     pub bg_kib: u64,
-    /// Compaction writes in flight.
+    /// Compaction writes in flight; 0 runs the foreground alone (each route's own cost, with
+    /// no compaction beside it).
     #[arg(long, default_value_t = 4)]
     pub bg_depth: usize,
     /// The plain rate limiter's rate, bytes per second: a number with an optional unit
@@ -109,7 +110,6 @@ pub fn check_values(args: &Args) -> Result<(), String> {
         ("--fg-depth", args.fg_depth as u64),
         ("--fg-iops", args.fg_iops),
         ("--bg-kib", args.bg_kib),
-        ("--bg-depth", args.bg_depth as u64),
         ("--fg-mib", args.fg_mib),
         ("--bg-mib", args.bg_mib),
     ];

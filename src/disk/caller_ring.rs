@@ -12,7 +12,8 @@
 //! reaping until the table is empty, so no buffer is freed under the kernel.
 //!
 //! Anything else keeps the shard's path: no tokio runtime (or one without an I/O driver) on the
-//! calling thread, a call from a shard, the blocking pool, a ring that cannot be made or is full.
+//! calling thread, the blocking pool, a ring that cannot be made or is full. A call from a shard
+//! uses the shard's own ring (`uring::try_issue_here`).
 //!
 //! Tested in `tests/disk_caller.rs` (through `ThrottledFile`, with the shard blocked).
 
@@ -21,7 +22,7 @@ use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::{Mutex, MutexGuard};
 
-use io_uring::{opcode, types, IoUring};
+use io_uring::IoUring;
 use slab::Slab;
 use tokio::io::unix::{AsyncFd, AsyncFdReadyGuard};
 use tokio::io::Interest;
@@ -333,17 +334,8 @@ pub(super) fn try_issue(
     let Some(permit) = dispatcher.try_fast_costed(shard, class, request, cost) else {
         return Err(io);
     };
-    let fd = types::Fd(io.file.as_raw_fd());
     let id = g.pending.vacant_key();
-    let entry = match io.kind {
-        OpKind::Read => opcode::Read::new(fd, io.ptr(), len)
-            .offset(io.offset)
-            .build(),
-        _ => opcode::Write::new(fd, io.ptr(), len)
-            .offset(io.offset)
-            .build(),
-    }
-    .user_data(id as u64);
+    let entry = super::uring::sqe(&io, len).user_data(id as u64);
     // SAFETY: the entry's buffer (`io.buf`, range `start..start+len`, exclusive to this
     // operation by `RawIo`'s invariant) and file stay alive until the reaper takes the
     // completion: `io` goes into `pending` below, under the same lock, before the entry is
@@ -365,6 +357,8 @@ pub(super) fn try_issue(
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
+
+    use io_uring::opcode;
 
     use super::*;
 

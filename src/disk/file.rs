@@ -14,6 +14,7 @@ use super::backend::{self, Backend, OpKind, RawIo, Resolved};
 use super::buf::{check_addr, check_len, AlignedBuf, IoBuf, IoBufMut, ALIGN};
 use super::caller_ring::{self, PieceHandle};
 use super::fs::{fs_name, memory_fs};
+use super::uring;
 
 /// A result and the buffer that went into the call, handed back whatever the outcome (the
 /// tokio-uring / glommio convention: a block cache keeps its buffer on an error too).
@@ -75,7 +76,8 @@ impl FileOptions {
 ///
 /// Each transfer is split into pieces (see [`FileOptions::max_piece`]: by default as large as
 /// the dispatcher and the class's in-flight bound allow); each piece is submitted with
-/// [`Dispatcher::submit`] and an [`IoRequest`] of its own size, and its future *is* the I/O: it
+/// [`Dispatcher::submit`] and an [`IoRequest`] of its own size, all pieces of a transfer to
+/// one shard (the calling shard, on a shard), and its future *is* the I/O: it
 /// completes when the kernel completes the piece, so in capped mode the piece's tokens return
 /// to the bucket when the disk has done the work. The I/O runs on io_uring (or the blocking
 /// pool): the shard's runtime is never blocked by a read or a write.
@@ -366,6 +368,10 @@ impl ThrottledFile {
             }
         }
         let shared = Arc::new(buf);
+        // Every piece of one transfer goes to one shard: a piece's completion frees its class's
+        // in-flight room where the next piece waits, and the shard that reaped it dispatches
+        // that one itself instead of waking another.
+        let shard = self.dispatcher.pick_shard();
         let submit = |start: usize, plen: usize| {
             let req = request(kind, plen);
             let cost = self.dispatcher.cost(&req);
@@ -377,11 +383,22 @@ impl ThrottledFile {
                 len: plen,
                 offset: offset + start as u64,
             };
-            let shard = self.dispatcher.pick_shard();
             let io = match caller_ring::try_issue(
                 &self.dispatcher,
                 self.backend,
                 (shard, class),
+                &req,
+                cost,
+                io,
+            ) {
+                Ok(handle) => return Ok(handle),
+                Err(io) => io,
+            };
+            // On a shard: from the submitting task, when it may go at once.
+            let io = match uring::try_issue_here(
+                &self.dispatcher,
+                self.backend,
+                class,
                 &req,
                 cost,
                 io,
@@ -398,8 +415,8 @@ impl ThrottledFile {
             // One piece (a 4 KiB read): no list of handles.
             match submit(0, len) {
                 Ok(handle) => {
-                    self.settle(op, offset, std::iter::once((handle, (0, len))))
-                        .await
+                    let outcome = handle.await;
+                    self.outcome(op, offset, [(outcome, (0, len))])
                 }
                 Err(e) => Err(DiskError::Submit(e)),
             }
@@ -419,7 +436,7 @@ impl ThrottledFile {
             }
             // Even after a refusal, wait for the pieces already submitted: the buffer comes
             // back only once nothing is in flight on it.
-            let settled = self.settle(op, offset, handles.into_iter()).await;
+            let settled = self.settle(op, offset, handles).await;
             match refused {
                 Some(e) => Err(e),
                 None => settled,
@@ -431,17 +448,40 @@ impl ThrottledFile {
     /// Waits for every piece, even after a failure, so that no piece is still in flight when
     /// this returns; returns the bytes done by the leading pieces done in full, plus the first
     /// short one, or the first error.
+    ///
+    /// The last piece is awaited first: pieces end about in the order they were issued, so the
+    /// caller is woken once for the whole transfer instead of once per piece (each a wake-up
+    /// from another thread when the pieces ran on a shard); the rest are then done, or nearly.
     async fn settle(
         &self,
         op: &'static str,
         offset: u64,
-        pieces: impl Iterator<Item = (PieceHandle, (usize, usize))>,
+        mut pieces: Vec<(PieceHandle, (usize, usize))>,
+    ) -> Result<usize, DiskError> {
+        let last = match pieces.pop() {
+            Some((handle, range)) => Some((handle.await, range)),
+            None => None,
+        };
+        let mut outcomes = Vec::with_capacity(pieces.len() + 1);
+        for (handle, range) in pieces {
+            outcomes.push((handle.await, range));
+        }
+        outcomes.extend(last);
+        self.outcome(op, offset, outcomes)
+    }
+
+    /// The result of a transfer from its pieces' outcomes, in order (see [`settle`](Self::settle)).
+    fn outcome(
+        &self,
+        op: &'static str,
+        offset: u64,
+        pieces: impl IntoIterator<Item = (PieceOutcome, (usize, usize))>,
     ) -> Result<usize, DiskError> {
         let mut done = 0usize;
         let mut contiguous = true;
         let mut first_err = None;
-        for (handle, (start, plen)) in pieces {
-            match handle.await {
+        for (outcome, (start, plen)) in pieces {
+            match outcome {
                 Ok(Ok(n)) => {
                     if contiguous {
                         done += n;
@@ -463,6 +503,9 @@ impl ThrottledFile {
         }
     }
 }
+
+/// What a piece's handle resolves to.
+type PieceOutcome = Result<std::io::Result<usize>, crate::DispatchError>;
 
 fn kind_index(kind: IoKind) -> usize {
     match kind {

@@ -7,15 +7,16 @@
 //! flush task on the shard's runtime hands every queued entry to the kernel with one
 //! `io_uring_enter`. Woken by the first entry queued since its last run, it runs after the
 //! tasks already scheduled, so the requests the shard dispatched in one round (each a task) go
-//! to the device together, as a program driving its own ring would submit them. Elsewhere each
-//! operation is submitted at once.
+//! to the device together, as a program driving its own ring would submit them. A piece that a
+//! task on the shard issues itself ([`try_issue_here`]: it may go at once) is submitted at once,
+//! with whatever else is queued. Elsewhere each operation is submitted at once.
 
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::{Mutex, OnceLock};
 use std::task::{Poll, Waker};
 
-use io_uring::{opcode, types, IoUring};
+use io_uring::{opcode, squeue, types, IoUring};
 use slab::Slab;
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
@@ -24,7 +25,7 @@ use tokio::sync::oneshot;
 use super::backend::{run, OpKind, RawIo, Resolved};
 use super::eventfd::RingEventFd;
 use crate::dispatcher::task::{self, BoxTask, Completion, ResultTx, Task};
-use crate::dispatcher::IoHandle;
+use crate::dispatcher::{ClassId, Dispatcher, IoHandle, IoRequest};
 use crate::sync::Arc;
 use crate::DispatchError;
 
@@ -481,6 +482,23 @@ fn uring_push(
     })
 }
 
+/// The submission entry of `io`, whose length is `len` (`io.len`, checked to fit).
+pub(super) fn sqe(io: &RawIo, len: u32) -> squeue::Entry {
+    let fd = types::Fd(io.file.as_raw_fd());
+    match io.kind {
+        OpKind::Read => opcode::Read::new(fd, io.ptr(), len)
+            .offset(io.offset)
+            .build(),
+        OpKind::Write => opcode::Write::new(fd, io.ptr(), len)
+            .offset(io.offset)
+            .build(),
+        OpKind::Fallocate => opcode::Fallocate::new(fd, io.len as u64)
+            .offset(io.offset)
+            .mode(libc::FALLOC_FL_KEEP_SIZE)
+            .build(),
+    }
+}
+
 /// [`uring_push`] on `driver`, the calling thread's ring.
 fn push_on(
     driver: &Arc<Driver>,
@@ -488,7 +506,6 @@ fn push_on(
     local: bool,
     target: impl FnOnce(usize) -> Target,
 ) -> Result<(), SubmitFailure> {
-    let fd = types::Fd(io.file.as_raw_fd());
     let len = match u32::try_from(io.len) {
         Ok(l) => l,
         Err(_) => return Err((io::Error::from_raw_os_error(libc::EINVAL), None)),
@@ -507,19 +524,7 @@ fn push_on(
     }
     // The key the entry gets below (nothing is inserted or removed in between).
     let id = g.pending.vacant_key();
-    let entry = match io.kind {
-        OpKind::Read => opcode::Read::new(fd, io.ptr(), len)
-            .offset(io.offset)
-            .build(),
-        OpKind::Write => opcode::Write::new(fd, io.ptr(), len)
-            .offset(io.offset)
-            .build(),
-        OpKind::Fallocate => opcode::Fallocate::new(fd, io.len as u64)
-            .offset(io.offset)
-            .mode(libc::FALLOC_FL_KEEP_SIZE)
-            .build(),
-    }
-    .user_data(id as u64);
+    let entry = sqe(&io, len).user_data(id as u64);
     // SAFETY: the entry's buffer (`io.buf`, range `start..start+len`) and file stay alive until
     // the reaper takes the completion: `io` goes into `pending` below, before the entry can be
     // submitted, and only the reaper removes it, after the kernel posted the completion.
@@ -628,6 +633,98 @@ impl Task for IoTask {
         };
         task::boxed(run(backend, io), tx).spawn_local(done);
     }
+}
+
+/// Issues `io` (a request of `class` costing `cost`, submitted by a task running on one of
+/// `dispatcher`'s shards) on the shard's ring from that task itself when it may go at once
+/// ([`Dispatcher::try_fast_here`]), and hands it to the kernel at once; otherwise gives it
+/// back, untouched and with nothing charged, for the shard's queue. The completion is reaped
+/// as the shard's own operations are, and ends the request as the loop's dispatch would have.
+pub(super) fn try_issue_here(
+    dispatcher: &Dispatcher,
+    backend: Resolved,
+    class: ClassId,
+    request: &IoRequest,
+    cost: u64,
+    io: RawIo,
+) -> Result<IoHandle<io::Result<usize>>, RawIo> {
+    if backend != Resolved::IoUring
+        || io.kind == OpKind::Fallocate
+        || !dispatcher.caller_files()
+        || dispatcher.current_shard().is_none()
+    {
+        return Err(io);
+    }
+    let Ok(len) = u32::try_from(io.len) else {
+        return Err(io);
+    };
+    with_local_driver(|driver| {
+        let Ok(driver) = driver else {
+            return Err(io);
+        };
+        issue_here(driver, dispatcher, (class, request, cost), io, len)
+    })
+}
+
+/// [`try_issue_here`] on `driver`, the calling shard's ring.
+fn issue_here(
+    driver: &Arc<Driver>,
+    dispatcher: &Dispatcher,
+    (class, request, cost): (ClassId, &IoRequest, u64),
+    io: RawIo,
+    len: u32,
+) -> Result<IoHandle<io::Result<usize>>, RawIo> {
+    let mut g = driver.lock();
+    if g.pending.len() >= CQ_ENTRIES as usize {
+        return Err(io);
+    }
+    if g.reaper == Reaper::None && start_reaper(driver, &mut g).is_err() {
+        return Err(io);
+    }
+    // Only a ring reaped by a task on this thread (a shard's): its completions end the
+    // request on the shard.
+    if g.reaper != Reaper::Task {
+        return Err(io);
+    }
+    if g.ring.submission().is_full() && (g.submit().is_err() || g.ring.submission().is_full()) {
+        return Err(io);
+    }
+    // From here the entry is sure to be queued: the tokens are taken only now.
+    let Some(done) = dispatcher.try_fast_here(class, request, cost) else {
+        return Err(io);
+    };
+    let id = g.pending.vacant_key();
+    let entry = sqe(&io, len).user_data(id as u64);
+    // SAFETY: the entry's buffer (`io.buf`, range `start..start+len`, exclusive to this
+    // operation by `RawIo`'s invariant) and file stay alive until the reaper takes the
+    // completion: `io` goes into `pending` below, under the same lock, before the entry is
+    // submitted, and only the reaper removes it, after the kernel posted the completion.
+    let pushed = unsafe { g.ring.submission().push(&entry) };
+    debug_assert!(pushed.is_ok(), "room was checked under the lock");
+    let (tx, handle) = task::channel();
+    let local = LocalIo { tx, done };
+    let stored = LOCAL_DONE.try_with(|t| {
+        let mut t = t.borrow_mut();
+        if t.len() <= id {
+            t.resize_with(id + 1, || None);
+        }
+        t[id] = Some(local);
+    });
+    debug_assert!(
+        stored.is_ok(),
+        "a shard's task runs before its thread exits"
+    );
+    let key = g.pending.insert((Target::Local, io));
+    debug_assert_eq!(key, id);
+    // Handed to the kernel now, with whatever else is queued: the flush task then finds
+    // nothing to do.
+    if let Err(e) = g.submit() {
+        // The entry stays queued (its buffer held in `pending`); the reaper submits it.
+        tracing::warn!("io_uring submit failed ({e}); the reaper retries");
+        drop(g);
+        driver.eventfd.notify();
+    }
+    Ok(handle)
 }
 
 /// What a shard keeps of an operation it submitted itself, until its completion is reaped.

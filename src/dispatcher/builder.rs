@@ -259,8 +259,13 @@ impl DispatcherBuilder {
     ///   on the shard's io_uring ring, needs the shard (use [`Dispatcher::spawn_on`] to run code
     ///   on a shard).
     ///
-    /// `false` sends every request from outside the shards through a shard. See
-    /// `docs/dispatcher.md`, "No hop when none is needed".
+    /// - **`ThrottledFile` I/O from a task on a shard** (on unless this is set to `false`): a
+    ///   piece that may go at once is issued by the task itself on the shard's ring and handed
+    ///   to the kernel at once, without a turn of the shard's loop; it counts among the shard's
+    ///   running requests, so a shutdown waits for it.
+    ///
+    /// `false` sends every request through a shard's queue. See `docs/dispatcher.md`, "No hop
+    /// when none is needed".
     ///
     /// [`IoHandle`]: super::IoHandle
     pub fn caller_dispatch(mut self, on: bool) -> Self {

@@ -22,7 +22,7 @@ use super::runner::{self, Msg, ShutdownMode, StatsReply};
 use super::spawn::{self, ShardJoinHandle};
 use super::state::Shared;
 use super::stats::{self, DispatcherStats, ShardStats};
-use super::task::{self, BoxTask};
+use super::task::{self, BoxTask, Completion};
 use super::timer;
 use super::DispatcherBuilder;
 use crate::SpawnError;
@@ -474,6 +474,32 @@ impl Dispatcher {
         self.shared.try_fast(class.0, shard, cost, now).then(|| {
             fast::FastDone::start(&self.shared, shard, class.0, (cost, request.bytes()), now)
         })
+    }
+
+    /// The tokens of a request of `class` costing `cost` (checked by the caller: at most
+    /// [`max_cost`](Self::max_cost)) submitted by a task running on one of this dispatcher's
+    /// shards, when it may go at once ([`Shared::try_fast`]: nothing of its class waits, its
+    /// class is first among those waiting, its bound has room, the bucket holds its tokens):
+    /// its dispatch recorded in the shard's stats and counted among the shard's running
+    /// requests until the returned [`Completion`] is dropped. `None` off the shards, with
+    /// caller dispatch off, once the shard's shutdown started, or when it must queue. The disk
+    /// module issues such a request's operation on the shard's ring from the submitting task
+    /// itself: no message to the shard's loop, no task of its own.
+    pub(crate) fn try_fast_here(
+        &self,
+        class: ClassId,
+        request: &IoRequest,
+        cost: u64,
+    ) -> Option<Completion> {
+        if !self.shared.caller_files || cost > self.shared.max_cost {
+            return None;
+        }
+        let (shard, inflight) = spawn::inflight_here(self.id())?;
+        self.check(shard, class).ok()?;
+        let now = self.shared.clock.now();
+        self.shared
+            .try_fast(class.0, shard, cost, now)
+            .then(|| Completion::start_here(inflight, class.0, (cost, request.bytes()), now))
     }
 
     fn check(&self, shard: usize, class: ClassId) -> Result<(), SubmitError> {

@@ -354,7 +354,10 @@ async fn run(
         shared: shared.clone(),
         core: Rc::downgrade(&core),
         activity: Activity::default(),
+        kick: Notify::new(),
     });
+    // The shard's own tasks may dispatch requests that can go at once themselves.
+    spawn::set_inflight(inflight.clone());
     let mut idle_poll = IdlePoll {
         time: shared.idle_poll,
         preempted: PREEMPTED,
@@ -463,6 +466,8 @@ async fn run(
                 shared.parks[index].fetch_add(1, crate::sync::Ordering::Relaxed);
                 tokio::select! {
                     msg = rx.recv(), if open => receive(msg, &mut open, &mut closing),
+                    // One of the shard's tasks dispatched a request itself: poll for it.
+                    _ = inflight.kick.notified(), if open => {}
                     else => {}
                 }
             }

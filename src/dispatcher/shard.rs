@@ -142,6 +142,14 @@ impl<P: Payload> ShardCore<P> {
         }
     }
 
+    /// A request of `class` that one of the shard's own tasks dispatched at once, without its
+    /// queue: recorded as dispatched with no wait.
+    pub(crate) fn dispatched_here(&mut self, class: usize, bytes: u64, cost: u64) {
+        if let Some(rec) = self.stats.get_mut(class) {
+            rec.dispatched(bytes, cost, Duration::ZERO);
+        }
+    }
+
     /// Nothing queued, nothing reserved.
     pub(crate) fn is_idle(&self) -> bool {
         self.queues.len() == 0 && self.reservation.is_none()

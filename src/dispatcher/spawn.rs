@@ -29,7 +29,7 @@ use super::handle::IoHandle;
 use super::queue::Entry;
 use super::runner::Msg;
 use super::state::Shared;
-use super::task::{self, add_panics, count_panic, panic_message, Guarded};
+use super::task::{self, add_panics, count_panic, panic_message, Guarded, InFlight};
 
 /// The output of a spawned task: a future resolving to the task's output, or why there is
 /// none. Dropping it detaches the task (it keeps running), as with tokio's `JoinHandle`.
@@ -99,6 +99,9 @@ pub(crate) struct ShardContext {
     tasks: RefCell<Slab<AbortHandle>>,
     /// Shutdown started: the spawned tasks were cancelled and no new one starts.
     closing: Cell<bool>,
+    /// The shard's running requests, once its loop has started: a request its own tasks
+    /// dispatch at once ([`inflight_here`]) is counted there as the loop's are.
+    inflight: RefCell<Option<Rc<InFlight>>>,
 }
 
 thread_local! {
@@ -115,8 +118,29 @@ pub(crate) fn enter(id: usize, index: usize, shared: Arc<Shared>, tx: WeakUnboun
         tx,
         tasks: RefCell::new(Slab::new()),
         closing: Cell::new(false),
+        inflight: RefCell::new(None),
     };
     CONTEXT.with(|c| *c.borrow_mut() = Some(Rc::new(ctx)));
+}
+
+/// The calling shard's loop has started: its running requests are counted in `inflight`.
+pub(crate) fn set_inflight(inflight: Rc<InFlight>) {
+    if let Some(ctx) = context() {
+        *ctx.inflight.borrow_mut() = Some(inflight);
+    }
+}
+
+/// The shard of dispatcher `id` that the calling thread runs, and its running requests: `None`
+/// off that dispatcher's shards, before the shard's loop started and once shutdown started
+/// there (requests then take the shard's queue, which fails or drains them as the shutdown
+/// says).
+pub(crate) fn inflight_here(id: usize) -> Option<(usize, Rc<InFlight>)> {
+    let ctx = context()?;
+    if ctx.id != id || ctx.closing.get() {
+        return None;
+    }
+    let inflight = ctx.inflight.borrow().clone()?;
+    Some((ctx.index, inflight))
 }
 
 /// The calling thread stops being a shard.

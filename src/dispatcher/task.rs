@@ -212,6 +212,9 @@ pub(crate) struct InFlight {
     /// Counts the shard's activity (a message received, a request dispatched or ended): an
     /// idle shard polls until [`Shared::idle_poll`] after it last saw the count move.
     pub(crate) activity: Activity,
+    /// Wakes a parked shard loop for a request one of its tasks dispatched itself
+    /// ([`Completion::start_here`]): the loop then polls, as after a request it dispatched.
+    pub(crate) kick: Notify,
 }
 
 /// A count of a shard's activity, for its idle poll. A count, not a time: recording activity
@@ -250,6 +253,43 @@ pub(crate) struct Completion {
 }
 
 impl Completion {
+    /// A request of `class` (`cost` tokens, `bytes` bytes) that a task on the shard of
+    /// `inflight` dispatched itself at `now`, its tokens already taken
+    /// ([`Dispatcher::try_fast_here`](super::Dispatcher::try_fast_here)): recorded in the
+    /// shard's stats as dispatched with no queue wait, and counted among the shard's running
+    /// requests until the returned value is dropped, as a request the loop dispatched is.
+    pub(crate) fn start_here(
+        inflight: Rc<InFlight>,
+        class: usize,
+        (cost, bytes): (u64, u64),
+        now: Duration,
+    ) -> Completion {
+        if let Some(core) = inflight.core.upgrade() {
+            // Called from a shard's task, never inside the loop's own borrow; should one ever
+            // overlap, the sample is skipped rather than panicking.
+            if let Ok(mut core) = core.try_borrow_mut() {
+                core.dispatched_here(class, bytes, cost);
+            }
+        }
+        #[cfg(feature = "metrics")]
+        {
+            let name = inflight.shared.classes.get(class).config.name();
+            crate::metrics::class_queued(name);
+            crate::metrics::class_dispatched(name, bytes, cost, Duration::ZERO);
+        }
+        inflight.touch();
+        inflight.count.set(inflight.count.get() + 1);
+        // A parked loop would not poll for the completion; one that runs takes the permit on
+        // its next park and comes round once.
+        inflight.kick.notify_one();
+        Completion {
+            cost,
+            class,
+            times: (now, now),
+            inflight,
+        }
+    }
+
     /// Adds the panics caught on this shard so far to the dispatcher's count (before a
     /// result reaches its handle, so the count is up to date for whoever awaits it).
     pub(crate) fn count_panics(&self) {
