@@ -25,7 +25,7 @@ use tokio::sync::oneshot;
 use super::backend::{run, OpKind, RawIo, Resolved};
 use super::eventfd::RingEventFd;
 use crate::dispatcher::task::{self, BoxTask, Completion, ResultTx, Task};
-use crate::dispatcher::{ClassId, Dispatcher, IoHandle, IoRequest};
+use crate::dispatcher::{ClassId, Dispatcher, IoHandle, IoRequest, ShardHere};
 use crate::sync::Arc;
 use crate::DispatchError;
 
@@ -604,13 +604,7 @@ impl Task for IoTask {
             let mut local = Some(LocalIo { tx, done });
             match uring_push(io, true, |id| {
                 if let Some(l) = local.take() {
-                    let _ = LOCAL_DONE.try_with(|t| {
-                        let mut t = t.borrow_mut();
-                        if t.len() <= id {
-                            t.resize_with(id + 1, || None);
-                        }
-                        t[id] = Some(l);
-                    });
+                    store_local(id, l);
                 }
                 Target::Local
             }) {
@@ -648,13 +642,12 @@ pub(super) fn try_issue_here(
     cost: u64,
     io: RawIo,
 ) -> Result<IoHandle<io::Result<usize>>, RawIo> {
-    if backend != Resolved::IoUring
-        || io.kind == OpKind::Fallocate
-        || !dispatcher.caller_files()
-        || dispatcher.current_shard().is_none()
-    {
+    if backend != Resolved::IoUring || io.kind == OpKind::Fallocate || !dispatcher.caller_files() {
         return Err(io);
     }
+    let Some(here) = dispatcher.shard_here() else {
+        return Err(io);
+    };
     let Ok(len) = u32::try_from(io.len) else {
         return Err(io);
     };
@@ -662,7 +655,7 @@ pub(super) fn try_issue_here(
         let Ok(driver) = driver else {
             return Err(io);
         };
-        issue_here(driver, dispatcher, (class, request, cost), io, len)
+        issue_here(driver, dispatcher, here, (class, request, cost), io, len)
     })
 }
 
@@ -670,6 +663,7 @@ pub(super) fn try_issue_here(
 fn issue_here(
     driver: &Arc<Driver>,
     dispatcher: &Dispatcher,
+    here: ShardHere,
     (class, request, cost): (ClassId, &IoRequest, u64),
     io: RawIo,
     len: u32,
@@ -690,7 +684,7 @@ fn issue_here(
         return Err(io);
     }
     // From here the entry is sure to be queued: the tokens are taken only now.
-    let Some(done) = dispatcher.try_fast_here(class, request, cost) else {
+    let Some(done) = dispatcher.try_fast_here(here, class, request, cost) else {
         return Err(io);
     };
     let id = g.pending.vacant_key();
@@ -702,18 +696,7 @@ fn issue_here(
     let pushed = unsafe { g.ring.submission().push(&entry) };
     debug_assert!(pushed.is_ok(), "room was checked under the lock");
     let (tx, handle) = task::channel();
-    let local = LocalIo { tx, done };
-    let stored = LOCAL_DONE.try_with(|t| {
-        let mut t = t.borrow_mut();
-        if t.len() <= id {
-            t.resize_with(id + 1, || None);
-        }
-        t[id] = Some(local);
-    });
-    debug_assert!(
-        stored.is_ok(),
-        "a shard's task runs before its thread exits"
-    );
+    store_local(id, LocalIo { tx, done });
     let key = g.pending.insert((Target::Local, io));
     debug_assert_eq!(key, id);
     // Handed to the kernel now, with whatever else is queued: the flush task then finds
@@ -725,6 +708,18 @@ fn issue_here(
         driver.eventfd.notify();
     }
     Ok(handle)
+}
+
+/// Keeps `local` in [`LOCAL_DONE`] under the key `id` its entry has on the ring (a thread that
+/// is exiting has no table: its runtime is gone, and `local` with it).
+fn store_local(id: usize, local: LocalIo) {
+    let _ = LOCAL_DONE.try_with(|t| {
+        let mut t = t.borrow_mut();
+        if t.len() <= id {
+            t.resize_with(id + 1, || None);
+        }
+        t[id] = Some(local);
+    });
 }
 
 /// What a shard keeps of an operation it submitted itself, until its completion is reaped.

@@ -22,7 +22,7 @@ use super::runner::{self, Msg, ShutdownMode, StatsReply};
 use super::spawn::{self, ShardJoinHandle};
 use super::state::Shared;
 use super::stats::{self, DispatcherStats, ShardStats};
-use super::task::{self, BoxTask, Completion};
+use super::task::{self, BoxTask, Completion, InFlight};
 use super::timer;
 use super::DispatcherBuilder;
 use crate::SpawnError;
@@ -476,17 +476,25 @@ impl Dispatcher {
         })
     }
 
+    /// The calling thread's shard of this dispatcher and its running requests, for
+    /// [`try_fast_here`](Self::try_fast_here): `None` off this dispatcher's shards, before the
+    /// shard's loop started, and once a shutdown started there.
+    pub(crate) fn shard_here(&self) -> Option<ShardHere> {
+        spawn::inflight_here(self.id())
+    }
+
     /// The tokens of a request of `class` costing `cost` (checked by the caller: at most
-    /// [`max_cost`](Self::max_cost)) submitted by a task running on one of this dispatcher's
-    /// shards, when it may go at once ([`Shared::try_fast`]: nothing of its class waits, its
+    /// [`max_cost`](Self::max_cost)) submitted by a task running on shard `here` (from
+    /// [`shard_here`](Self::shard_here)), when it may go at once ([`Shared::try_fast`]: nothing of its class waits, its
     /// class is first among those waiting, its bound has room, the bucket holds its tokens):
     /// its dispatch recorded in the shard's stats and counted among the shard's running
-    /// requests until the returned [`Completion`] is dropped. `None` off the shards, with
-    /// caller dispatch off, once the shard's shutdown started, or when it must queue. The disk
+    /// requests until the returned [`Completion`] is dropped. `None` with caller dispatch off
+    /// or when it must queue. The disk
     /// module issues such a request's operation on the shard's ring from the submitting task
     /// itself: no message to the shard's loop, no task of its own.
     pub(crate) fn try_fast_here(
         &self,
+        (shard, inflight): ShardHere,
         class: ClassId,
         request: &IoRequest,
         cost: u64,
@@ -494,7 +502,6 @@ impl Dispatcher {
         if !self.shared.caller_files || cost > self.shared.max_cost {
             return None;
         }
-        let (shard, inflight) = spawn::inflight_here(self.id())?;
         self.check(shard, class).ok()?;
         let now = self.shared.clock.now();
         self.shared
@@ -803,6 +810,10 @@ impl Dispatcher {
         }
     }
 }
+
+/// A shard of a dispatcher that the calling thread runs, and its running requests
+/// ([`Dispatcher::shard_here`]).
+pub(crate) type ShardHere = (usize, std::rc::Rc<InFlight>);
 
 /// How [`Dispatcher::stop`] waits for the shard threads.
 #[derive(Debug, Clone, Copy)]

@@ -43,12 +43,7 @@ impl FastDone {
         shared
             .fast_recorder(shard, class)
             .dispatched(bytes, cost, Duration::ZERO);
-        #[cfg(feature = "metrics")]
-        {
-            let name = shared.classes.get(class).config.name();
-            crate::metrics::class_queued(name);
-            crate::metrics::class_dispatched(name, bytes, cost, Duration::ZERO);
-        }
+        metrics_at_once(shared, class, (cost, bytes));
         FastDone {
             shared: shared.clone(),
             shard,
@@ -56,6 +51,18 @@ impl FastDone {
             cost,
             at: now,
         }
+    }
+}
+
+/// The metrics of a request of `class` dispatched at once, without a shard's queue: it entered
+/// its queue and left it in the same instant.
+#[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+pub(crate) fn metrics_at_once(shared: &Shared, class: usize, (cost, bytes): (u64, u64)) {
+    #[cfg(feature = "metrics")]
+    {
+        let name = shared.classes.get(class).config.name();
+        crate::metrics::class_queued(name);
+        crate::metrics::class_dispatched(name, bytes, cost, Duration::ZERO);
     }
 }
 

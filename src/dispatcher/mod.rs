@@ -76,6 +76,7 @@ pub use builder::DispatcherBuilder;
 pub use class::{ClassConfig, ClassId, Priority};
 pub use cost::{DiskModel, Figures, IoKind, IoRequest, Piece, MAX_SPLIT_PIECES, SPLIT_ALIGN};
 pub use dispatcher::Dispatcher;
+pub(crate) use dispatcher::ShardHere;
 pub use handle::{IoHandle, SplitHandle};
 pub use spawn::{current_shard, ShardHandle, ShardJoinHandle};
 pub use stats::{ClassStats, DispatcherStats, ShardStats};

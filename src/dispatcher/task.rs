@@ -271,12 +271,7 @@ impl Completion {
                 core.dispatched_here(class, bytes, cost);
             }
         }
-        #[cfg(feature = "metrics")]
-        {
-            let name = inflight.shared.classes.get(class).config.name();
-            crate::metrics::class_queued(name);
-            crate::metrics::class_dispatched(name, bytes, cost, Duration::ZERO);
-        }
+        super::fast::metrics_at_once(&inflight.shared, class, (cost, bytes));
         inflight.touch();
         inflight.count.set(inflight.count.get() + 1);
         // A parked loop would not poll for the completion; one that runs takes the permit on
