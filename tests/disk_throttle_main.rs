@@ -11,9 +11,13 @@ use clap::Parser;
 mod args;
 #[path = "../examples/disk_throttle/open_loop.rs"]
 mod open_loop;
+#[path = "../examples/disk_throttle/placement.rs"]
+#[allow(dead_code)] // `describe` is the example's
+mod placement;
 
 use args::{check_values, Args};
 use open_loop::{median, Rounds, Schedule};
+use placement::Placement;
 
 fn parse(flags: &[&str]) -> Result<Args, clap::Error> {
     Args::try_parse_from(std::iter::once("disk_throttle").chain(flags.iter().copied()))
@@ -25,7 +29,7 @@ fn the_defaults_leave_the_dispatcher_to_the_builder() {
     assert_eq!(a.goal_us, None, "the builder's default goal");
     assert_eq!(a.shards, None, "the builder's default shards");
     assert_eq!(a.bg_in_flight_us, None, "a background class's bound");
-    assert!(!a.saturate && !a.no_bg_bound && !a.uncapped);
+    assert!(!a.saturate && !a.no_bg_bound && !a.uncapped && !a.spread);
     assert_eq!(
         (a.fg_iops, a.fg_depth, a.bg_kib, a.bg_depth),
         (2000, 4, 1024, 4)
@@ -67,6 +71,36 @@ fn a_compaction_of_depth_zero_runs_the_foreground_alone() {
     check_values(&a).unwrap();
     let err = check_values(&parse(&["--bg-depth", "257"]).unwrap()).unwrap_err();
     assert!(err.contains("--bg-depth"), "{err}");
+}
+
+#[test]
+fn the_readers_go_where_the_disk_interrupts_and_the_compaction_elsewhere() {
+    let split = |fg: &[usize], bg: &[usize]| Placement {
+        fg: fg.to_vec(),
+        bg: bg.to_vec(),
+    };
+    // Two shards, the disk interrupting shard 1's CPU.
+    assert_eq!(Placement::new(2, &[1], false), split(&[1], &[0]));
+    assert_eq!(Placement::new(4, &[0, 2], false), split(&[0, 2], &[1, 3]));
+    // No split to make: every shard runs both, in turn.
+    assert_eq!(
+        Placement::new(2, &[], false),
+        split(&[0, 1], &[0, 1]),
+        "unknown"
+    );
+    assert_eq!(
+        Placement::new(2, &[0, 1], false),
+        split(&[0, 1], &[0, 1]),
+        "all"
+    );
+    assert_eq!(
+        Placement::new(1, &[0], false),
+        split(&[0], &[0]),
+        "one shard"
+    );
+    // --spread asks for every shard in turn whatever the disk does.
+    assert!(parse(&["--spread"]).unwrap().spread);
+    assert_eq!(Placement::new(2, &[1], true), split(&[0, 1], &[0, 1]));
 }
 
 #[test]

@@ -1295,6 +1295,45 @@ fn two_shards() -> (Arc<Dispatcher>, ClassId) {
 }
 
 #[test]
+fn each_shard_runs_on_the_cpu_it_names_and_shards_on_finds_it() {
+    let Some(cores) = core_affinity::get_core_ids().filter(|c| !c.is_empty()) else {
+        eprintln!("SKIPPED: cannot list the cores on this machine");
+        return;
+    };
+    let shards = cores.len() + 1; // one more than the cores: the last one wraps
+    let d = Dispatcher::builder()
+        .disk(NVME)
+        .shards(shards)
+        .class(ClassConfig::new("c", 100))
+        .build()
+        .unwrap();
+    let rt = rt();
+    for s in 0..shards {
+        let want = cores[s % cores.len()].id;
+        assert_eq!(d.shard_cpu(s), Some(want), "shard {s}");
+        // SAFETY: sched_getcpu takes no arguments and reads no memory of ours.
+        let task = d
+            .spawn_on(s, || async { unsafe { libc::sched_getcpu() } })
+            .unwrap();
+        let ran_on = rt.block_on(task).unwrap();
+        assert_eq!(ran_on, want as i32, "shard {s} runs where it says");
+        assert!(d.shards_on(&[want]).contains(&s));
+    }
+    assert_eq!(d.shard_cpu(shards), None, "no such shard");
+    let all: Vec<usize> = cores.iter().map(|c| c.id).collect();
+    assert_eq!(d.shards_on(&all), (0..shards).collect::<Vec<_>>());
+    assert!(d.shards_on(&[usize::MAX]).is_empty());
+    d.shutdown();
+    let (unpinned, _) = two_shards();
+    assert_eq!((unpinned.shard_cpu(0), unpinned.shard_cpu(1)), (None, None));
+    assert!(
+        unpinned.shards_on(&all).is_empty(),
+        "unpinned shards are on no CPU"
+    );
+    unpinned.shutdown();
+}
+
+#[test]
 fn a_not_send_task_runs_on_the_shard_it_was_spawned_on_and_costs_no_tokens() {
     use std::cell::Cell;
     use std::rc::Rc;

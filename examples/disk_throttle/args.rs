@@ -71,6 +71,11 @@ pub struct Args {
     /// Dispatcher shards (threads). Default: the builder's (one per core).
     #[arg(long)]
     pub shards: Option<usize>,
+    /// Thread-per-core phases: readers and compaction on every shard in turn, wherever the
+    /// disk's interrupts arrive. Default: the readers on the shards pinned to the CPUs that
+    /// take them, the compaction on the others.
+    #[arg(long)]
+    pub spread: bool,
     /// One spinning thread per core for the whole run (every phase): protection must hold when
     /// the cores are busy.
     #[arg(long)]

@@ -2,7 +2,8 @@
 //! disk**, and at what bandwidth, compared with no throttling and with a plain rate limiter?
 //! This file runs the phases in turn; beside it: the flags (`args.rs`), the checks before any
 //! work (`checks.rs`), O_DIRECT buffers and files (`direct.rs`), the quick disk model
-//! (`quick_model.rs`), the phases and their drivers (`phases.rs`), the open-loop schedule
+//! (`quick_model.rs`), the phases and their drivers (`phases.rs`), where the shards' drivers run
+//! (`placement.rs`), the open-loop schedule
 //! (`open_loop.rs`), the report (`report.rs`), the plot (`plot.rs`) and the modelled demo
 //! (`modelled.rs`); the readers wake at their arrivals on the crate's own timerfd
 //! (`src/dispatcher/shard_timer.rs`, compiled in).
@@ -24,8 +25,10 @@
 //!      `--bg-depth` in flight, as fast as the disk takes them;
 //!    - `plain`: the compaction through a plain rate limiter at `--plain-rate`;
 //!    - `iothrottle`: **thread-per-core**: the readers and the compaction run on the
-//!      dispatcher's shards (`Dispatcher::spawn_on`), their I/O queued and dispatched on the
-//!      shard that issues it;
+//!      dispatcher's shards (`Dispatcher::spawn_on`), their I/O issued by the shard that runs
+//!      them. The readers go to the shards pinned to the CPUs that take the disk's interrupts
+//!      (`disk::completion_cpus`, `Dispatcher::shards_on`) and the compaction to the others,
+//!      when there is such a split; `--spread` puts both on every shard in turn;
 //!    - `cross`: the same dispatcher configuration, the readers and the compaction on a tokio
 //!      multi-thread runtime submitting from its threads;
 //!    - `target`: thread-per-core in latency-target mode (`ClassConfig::with_latency_target`).
@@ -54,7 +57,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use iothrottle::disk::{FileOptions, ThrottledFile};
+use iothrottle::disk::{completion_cpus, FileOptions, ThrottledFile};
 use iothrottle::dispatcher::{ClassConfig, ClassId, DiskModel, Dispatcher, Figures, IoRequest};
 use iothrottle::{BucketConfig, Rate, Throttle, Uncapped};
 
@@ -64,6 +67,7 @@ mod direct;
 mod modelled;
 mod open_loop;
 mod phases;
+mod placement;
 mod plot;
 mod quick_model;
 mod report;
@@ -76,6 +80,7 @@ use args::Args;
 use checks::check_args;
 use direct::{open_direct, AlignedBuf, DiskBusy};
 use phases::{run_slice, settle, warm_up, Ctx, Io, Phase, Route};
+use placement::Placement;
 use quick_model::quick_model;
 use report::{fmt_d, print_header, q, PhaseResult};
 
@@ -311,6 +316,9 @@ async fn real_disk_inner(
     );
     let (d, io) = dispatcher(args, disk, None, &file, &path)?;
     let (d_cross, cross_io) = dispatcher(args, disk, None, &file, &path)?;
+    // Thread-per-core placement: the reads where the disk's completions arrive.
+    let irq: Vec<usize> = completion_cpus(&path)?.iter().map(|c| c.cpu).collect();
+    let placement = Arc::new(Placement::new(d.shards(), &d.shards_on(&irq), args.spread));
     // Built when the target is known (after the first idle slice, unless given).
     let mut target: Option<(Duration, Arc<Dispatcher>, Arc<Io>)> = None;
     if let Some(us) = args.target_us {
@@ -351,7 +359,7 @@ async fn real_disk_inner(
         fmt_d(disk.disk_time(&IoRequest::write(bg_bytes))),
     );
     println!(
-        "  foreground: {} readers, {} reads/s in total, open loop; compaction: {} writes in flight; plain limiter at {:.1} MB/s; {} rounds of {} ms slices{}\n",
+        "  foreground: {} readers, {} reads/s in total, open loop; compaction: {} writes in flight; plain limiter at {:.1} MB/s; {} rounds of {} ms slices{}",
         args.fg_depth,
         args.fg_iops,
         args.bg_depth,
@@ -359,6 +367,10 @@ async fn real_disk_inner(
         args.phase_secs,
         args.slice_ms,
         if args.saturate { "; a spinning thread per core (--saturate)" } else { "" },
+    );
+    println!(
+        "  thread-per-core: {}; the disk interrupts CPUs {irq:?}\n",
+        placement.describe()
     );
 
     let ctx = Ctx {
@@ -387,12 +399,12 @@ async fn real_disk_inner(
             Phase::IoThrottle => Route::Dispatched {
                 d: d.clone(),
                 io: io.clone(),
-                on_shards: true,
+                on: Some(placement.clone()),
             },
             Phase::Cross => Route::Dispatched {
                 d: d_cross.clone(),
                 io: cross_io.clone(),
-                on_shards: false,
+                on: None,
             },
             Phase::Target => {
                 if target.is_none() {
@@ -407,7 +419,7 @@ async fn real_disk_inner(
                 Route::Dispatched {
                     d: dt.clone(),
                     io: tio.clone(),
-                    on_shards: true,
+                    on: Some(placement.clone()),
                 }
             }
         };

@@ -16,6 +16,7 @@ use iothrottle::{DiskError, Throttle, Uncapped};
 use crate::args::Args;
 use crate::direct::{DiskBusy, Rng};
 use crate::open_loop::Schedule;
+use crate::placement::Placement;
 use crate::report::{new_hist, print_row, record, Row};
 use crate::shard_timer::ShardTimer;
 use crate::{BoxError, READ_BYTES};
@@ -105,12 +106,20 @@ pub(crate) enum Route {
     Direct(Arc<Io>),
     /// The same, the compaction's bytes through a plain limiter first.
     Plain(Throttle<Uncapped>, Arc<Io>),
-    /// Through a throttling dispatcher: from its shards (`on_shards`) or from the runtime.
+    /// Through a throttling dispatcher: from its shards (`on`, which ones for what) or from
+    /// the runtime (`None`).
     Dispatched {
         d: Arc<Dispatcher>,
         io: Arc<Io>,
-        on_shards: bool,
+        on: Option<Arc<Placement>>,
     },
+}
+
+/// What a driver is: a foreground reader or a compaction writer.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Role {
+    Reader,
+    Writer,
 }
 
 impl Route {
@@ -138,17 +147,24 @@ pub(crate) fn is_shutdown(e: &DiskError) -> bool {
 /// A task of the slice, wherever it runs.
 pub(crate) type Driver = Pin<Box<dyn Future<Output = ()> + Send>>;
 
-/// Starts `make()`'s future on shard `n % shards` of `d`, or on the tokio runtime.
-pub(crate) fn start<F, Fut>(route: &Route, n: usize, make: F) -> Result<Driver, BoxError>
+/// Starts `make()`'s future, the `n`-th of its role: on the role's shards in turn, or on the
+/// tokio runtime.
+pub(crate) fn start<F, Fut>(
+    route: &Route,
+    (role, n): (Role, usize),
+    make: F,
+) -> Result<Driver, BoxError>
 where
     F: FnOnce() -> Fut + Send + 'static,
     Fut: Future<Output = ()> + Send + 'static,
 {
     match route {
-        Route::Dispatched {
-            d, on_shards: true, ..
-        } => {
-            let h = d.spawn_on(n % d.shards(), make)?;
+        Route::Dispatched { d, on: Some(p), .. } => {
+            let shards = match role {
+                Role::Reader => &p.fg,
+                Role::Writer => &p.bg,
+            };
+            let h = d.spawn_on(shards[n % shards.len()], make)?;
             Ok(Box::pin(async move {
                 let _ = h.await;
             }))
@@ -294,7 +310,7 @@ pub(crate) async fn run_slice(
             let (r, rec, stop, next) =
                 (route.clone(), rec.clone(), stop.clone(), next_write.clone());
             let region = (ctx.bg_region.0, ctx.bg_region.1, ctx.bg_bytes);
-            writers.push(start(&route, w, move || {
+            writers.push(start(&route, (Role::Writer, w), move || {
                 writer(r, rec, stop, next, region)
             })?);
         }
@@ -307,7 +323,7 @@ pub(crate) async fn run_slice(
         let (io, rec) = (route.io().clone(), rec.clone());
         let seed = 0x9E37_79B9_7F4A_7C15 ^ ((round << 16) + w as u64 + 1).wrapping_mul(0x1000_0001);
         let region = ctx.fg_region;
-        readers.push(start(&route, w, move || {
+        readers.push(start(&route, (Role::Reader, w), move || {
             reader(io, rec, sched, region, seed, give_up)
         })?);
     }

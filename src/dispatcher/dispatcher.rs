@@ -46,6 +46,8 @@ pub struct Dispatcher {
     timer_thread: Mutex<Option<timer::TimerThread>>,
     /// Round-robin position for submissions from outside the shards.
     next: AtomicU64,
+    /// The core each shard's thread pins itself to (`None`: unpinned).
+    cores: Vec<Option<usize>>,
 }
 
 impl fmt::Debug for Dispatcher {
@@ -87,6 +89,7 @@ impl Dispatcher {
             timer: fine.clone(),
             timer_thread: Mutex::new(Some(fine_thread)),
             next: AtomicU64::new(0),
+            cores: Vec::with_capacity(shards),
         };
         let id = dispatcher.id();
         for index in 0..shards {
@@ -101,6 +104,7 @@ impl Dispatcher {
                 })?;
             let (tx, rx) = unbounded_channel();
             let core = cores.as_ref().map(|c| c[index % c.len()]);
+            dispatcher.cores.push(core.map(|c| c.id));
             let timer = (fine.clone(), wake_timer.clone());
             let (hook, ready) = match &threads.start {
                 Some(h) => {
@@ -152,6 +156,26 @@ impl Dispatcher {
     /// The number of shards.
     pub fn shards(&self) -> usize {
         self.senders.len()
+    }
+
+    /// The CPU shard `shard`'s thread is pinned to ([`pin_threads`], the default), or `None`
+    /// when the shards run unpinned or there is no such shard. Shard `i` takes the `i`-th core
+    /// `core_affinity` lists, wrapping when there are more shards than cores; a thread the
+    /// kernel refuses to pin logs a `tracing` warning and runs anywhere.
+    ///
+    /// [`pin_threads`]: DispatcherBuilder::pin_threads
+    pub fn shard_cpu(&self, shard: usize) -> Option<usize> {
+        self.cores.get(shard).copied().flatten()
+    }
+
+    /// The shards pinned to one of `cpus`, in shard order: with
+    /// [`completion_cpus`](crate::disk::completion_cpus), the shards where a disk's completions
+    /// arrive without crossing CPUs, the place for reads that must be fast. Empty when the
+    /// shards run unpinned or none is pinned to these CPUs.
+    pub fn shards_on(&self, cpus: &[usize]) -> Vec<usize> {
+        (0..self.shards())
+            .filter(|&s| self.shard_cpu(s).is_some_and(|c| cpus.contains(&c)))
+            .collect()
     }
 
     /// The shard the calling thread runs, if it is one of this dispatcher's.
