@@ -9,35 +9,39 @@
 //! run its latency-bound reads on the [shards](crate::Dispatcher::shards_on) pinned where the
 //! interrupts already arrive. docs/dispatcher.md, "Where the disk interrupts", has the figures.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-/// A CPU that took a share of a disk's completion interrupts, as [`completion_cpus`] finds it.
+/// A CPU that a disk's completion interrupts are delivered to, as [`completion_cpus`] finds
+/// it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct InterruptCpu {
     /// The CPU's number (as `core_affinity` and `/proc/interrupts` count them).
     pub cpu: usize,
-    /// The device's interrupts this CPU has taken since boot; 0 when the device has taken none
-    /// yet and the CPU is only where its vectors are routed.
+    /// The device's completion interrupts this CPU has taken since boot: 0 before any, or for
+    /// a CPU a vector has just been moved to.
     pub count: u64,
 }
 
-/// The CPUs that take the completion interrupts of the block device holding `path`, the busiest
-/// first.
+/// The CPUs the completion interrupts of the block device holding `path` are delivered to now,
+/// the busiest first.
 ///
 /// The device is the one `path`'s file system lives on: a partition counts as its disk, and a
 /// device-mapper or md device as the disks under it. Its interrupt vectors are the PCI function's
-/// MSI/MSI-X vectors (or its legacy line), found by walking up from the block device in sysfs;
-/// each CPU's count is summed over them from `/proc/interrupts`. A CPU with under 1% of the
-/// device's interrupts is left out: such counts come from configuration vectors, not from
-/// completions. When the device has taken no interrupts yet, the CPUs its vectors are routed to
-/// (`/proc/irq/N/effective_affinity_list`) are returned with a count of 0.
+/// MSI/MSI-X vectors (or its legacy line), found by walking up from the block device in sysfs.
+/// The vectors that carry completions are those with at least 1% of the device's interrupts
+/// since boot (`/proc/interrupts`; a configuration vector takes a handful), or all of them
+/// before any has fired. The CPUs are where those vectors are routed now
+/// (`/proc/irq/N/effective_affinity_list`), so a vector that irqbalance or an administrator has
+/// moved is counted where it goes, not where it went; each is ranked by the completion
+/// interrupts it has taken. Where the routing cannot be read, the CPUs that took at least 1% of
+/// them are returned instead.
 ///
 /// An empty list means the interrupts cannot be told: a file system without a block device
 /// (tmpfs, or btrfs's anonymous device numbers), a device with no PCI ancestor (loop, zram,
-/// virtio over MMIO), or a kernel that hides `/proc/interrupts`.
+/// virtio over MMIO), or a kernel that hides `/proc/interrupts` and the routing.
 ///
 /// # Errors
 ///
@@ -85,37 +89,57 @@ impl Roots {
         if irqs.is_empty() {
             return Vec::new();
         }
-        let counts = self.counts(&irqs);
-        let total: u64 = counts.values().sum();
-        if total > 0 {
-            let mut cpus: Vec<InterruptCpu> = counts
-                .into_iter()
-                .filter(|&(_, n)| n > 0 && n.saturating_mul(100) >= total)
-                .map(|(cpu, count)| InterruptCpu { cpu, count })
-                .collect();
-            // Busiest first; equal counts by CPU number.
-            cpus.sort_by(|a, b| b.count.cmp(&a.count).then(a.cpu.cmp(&b.cpu)));
-            return cpus;
-        }
-        let mut routed: Vec<usize> = irqs
+        let table = self.counts(&irqs);
+        let vector_total = |irq: &u32| table.get(irq).map_or(0, |c| c.values().sum::<u64>());
+        let total: u64 = irqs.iter().map(vector_total).sum();
+        // The vectors that carry completions: each with at least 1% of the device's interrupts
+        // (a configuration vector takes a handful), or every vector before any has fired.
+        let carrying: Vec<u32> = irqs
             .iter()
-            .filter_map(|irq| {
-                std::fs::read_to_string(
-                    self.proc
-                        .join("irq")
-                        .join(irq.to_string())
-                        .join("effective_affinity_list"),
-                )
-                .ok()
-            })
-            .flat_map(|list| parse_cpu_list(list.trim()))
+            .copied()
+            .filter(|irq| total == 0 || vector_total(irq).saturating_mul(100) >= total)
             .collect();
-        routed.sort_unstable();
-        routed.dedup();
-        routed
+        let mut taken: BTreeMap<usize, u64> = BTreeMap::new();
+        for irq in &carrying {
+            for (&cpu, &n) in table.get(irq).into_iter().flatten() {
+                *taken.entry(cpu).or_insert(0) += n;
+            }
+        }
+        // Where those vectors are routed now; since-boot counts would still name a CPU that
+        // irqbalance (or an administrator) has moved a vector away from.
+        let mut cpus: BTreeSet<usize> = carrying.iter().flat_map(|&irq| self.routed(irq)).collect();
+        if cpus.is_empty() {
+            // The routing cannot be read: the CPUs that took a real share.
+            let carried: u64 = taken.values().sum();
+            cpus = taken
+                .iter()
+                .filter(|&(_, &n)| n > 0 && n.saturating_mul(100) >= carried)
+                .map(|(&cpu, _)| cpu)
+                .collect();
+        }
+        let mut out: Vec<InterruptCpu> = cpus
             .into_iter()
-            .map(|cpu| InterruptCpu { cpu, count: 0 })
-            .collect()
+            .map(|cpu| InterruptCpu {
+                cpu,
+                count: taken.get(&cpu).copied().unwrap_or(0),
+            })
+            .collect();
+        // Busiest first; equal counts by CPU number.
+        out.sort_by(|a, b| b.count.cmp(&a.count).then(a.cpu.cmp(&b.cpu)));
+        out
+    }
+
+    /// The CPUs interrupt `irq` is delivered to now (`effective_affinity_list`); empty when
+    /// the kernel does not say.
+    fn routed(&self, irq: u32) -> Vec<usize> {
+        std::fs::read_to_string(
+            self.proc
+                .join("irq")
+                .join(irq.to_string())
+                .join("effective_affinity_list"),
+        )
+        .map(|list| parse_cpu_list(list.trim()))
+        .unwrap_or_default()
     }
 
     /// The whole disks under the block device at `block` (its sysfs directory): itself, its
@@ -181,11 +205,11 @@ impl Roots {
         Vec::new()
     }
 
-    /// Each CPU's interrupts over `irqs` (sorted), from `/proc/interrupts`.
-    fn counts(&self, irqs: &[u32]) -> BTreeMap<usize, u64> {
-        let mut counts = BTreeMap::new();
+    /// Each of `irqs`' (sorted) interrupts per CPU since boot, from `/proc/interrupts`.
+    fn counts(&self, irqs: &[u32]) -> BTreeMap<u32, BTreeMap<usize, u64>> {
+        let mut table = BTreeMap::new();
         let Ok(text) = std::fs::read_to_string(self.proc.join("interrupts")) else {
-            return counts;
+            return table;
         };
         let mut lines = text.lines();
         let cpus: Vec<usize> = lines
@@ -204,12 +228,13 @@ impl Roots {
             if irqs.binary_search(&irq).is_err() {
                 continue;
             }
+            let row: &mut BTreeMap<usize, u64> = table.entry(irq).or_default();
             for (&cpu, n) in cpus.iter().zip(rest.split_whitespace()) {
                 let Ok(n) = n.parse::<u64>() else { break };
-                *counts.entry(cpu).or_insert(0) += n;
+                *row.entry(cpu).or_insert(0) += n;
             }
         }
-        counts
+        table
     }
 }
 
@@ -238,8 +263,9 @@ mod tests {
     use std::os::unix::fs::symlink;
 
     /// A sysfs and procfs tree: `vda` (partition `vda1`) under PCI function 0000:00:02.0 with
-    /// MSI-X vectors 35 (config) and 36 (requests), and `loop0` under no PCI function.
-    fn machine(interrupts: &str) -> (tempfile::TempDir, Roots) {
+    /// MSI-X vectors 35 (config) and 36 (requests), routed as `routes` says (a vector left out
+    /// has no `effective_affinity_list`), and `loop0` under no PCI function.
+    fn machine(interrupts: &str, routes: &[(&str, &str)]) -> (tempfile::TempDir, Roots) {
         let t = tempfile::tempdir().unwrap();
         let sys = t.path().join("sys");
         let proc = t.path().join("proc");
@@ -265,17 +291,18 @@ mod tests {
         symlink(vda.join("vda1"), sys.join("dev/block/253:1")).unwrap();
         symlink(&loop0, sys.join("dev/block/7:0")).unwrap();
         symlink(&dm, sys.join("dev/block/252:0")).unwrap();
-        for (irq, list) in [("35", "1"), ("36", "0-1")] {
-            fs::create_dir_all(proc.join("irq").join(irq)).unwrap();
-            fs::write(
-                proc.join("irq").join(irq).join("effective_affinity_list"),
-                list,
-            )
-            .unwrap();
+        for (irq, list) in routes {
+            let dir = proc.join("irq").join(irq);
+            fs::create_dir_all(&dir).unwrap();
+            fs::write(dir.join("effective_affinity_list"), format!("{list}\n")).unwrap();
         }
+        fs::create_dir_all(&proc).unwrap();
         fs::write(proc.join("interrupts"), interrupts).unwrap();
         (t, Roots { sys, proc })
     }
+
+    /// The shape of this project's VM: both vectors on CPU 1.
+    const ON_CPU1: &[(&str, &str)] = &[("35", "1"), ("36", "1")];
 
     const BUSY: &str = "           CPU0       CPU1       CPU2\n\
          35:          0          1          0  PCI-MSIX-0000:00:02.0   0-edge      virtio1-config\n\
@@ -283,51 +310,68 @@ mod tests {
          41:    9999999          0          0  PCI-MSIX-0000:00:04.0   1-edge      virtio3-rx\n\
         NMI:          0          0          0   Non-maskable interrupts\n";
 
+    fn cpus(found: Vec<InterruptCpu>) -> Vec<(usize, u64)> {
+        found.iter().map(|c| (c.cpu, c.count)).collect()
+    }
+
     #[test]
     fn a_partition_counts_as_its_disk_and_the_busiest_cpu_comes_first() {
-        let (_t, roots) = machine(BUSY);
-        let want = vec![InterruptCpu {
-            cpu: 1,
-            count: 5_000_001,
-        }];
-        // CPU 0's 2,000 of 5,002,001 are under 1%; the network's vector 41 is not the disk's.
-        assert_eq!(roots.completion_cpus(253, 1), want);
-        assert_eq!(roots.completion_cpus(253, 0), want);
+        let (_t, roots) = machine(BUSY, ON_CPU1);
+        // Vector 36 carries the completions and is routed to CPU 1; the config vector's one
+        // interrupt is not counted, nor the network's vector 41.
+        assert_eq!(cpus(roots.completion_cpus(253, 1)), vec![(1, 5_000_000)]);
+        assert_eq!(cpus(roots.completion_cpus(253, 0)), vec![(1, 5_000_000)]);
     }
 
     #[test]
     fn a_stacked_device_counts_the_disks_under_it() {
-        let (_t, roots) = machine(BUSY);
-        assert_eq!(roots.completion_cpus(252, 0)[0].cpu, 1);
+        let (_t, roots) = machine(BUSY, ON_CPU1);
+        assert_eq!(cpus(roots.completion_cpus(252, 0)), vec![(1, 5_000_000)]);
     }
 
     #[test]
-    fn every_cpu_with_a_real_share_is_listed_busiest_first() {
-        let (_t, roots) =
-            machine("      CPU0  CPU1\n 35: 0 0 PCI-MSIX\n 36: 700 300 PCI-MSIX virtio1-req.0\n");
+    fn a_vector_moved_elsewhere_counts_where_it_goes_now() {
+        // Five million interrupts on CPU 1 since boot, but the vector now goes to CPU 2.
+        let (_t, roots) = machine(BUSY, &[("35", "1"), ("36", "2")]);
+        assert_eq!(cpus(roots.completion_cpus(253, 1)), vec![(2, 0)]);
+    }
+
+    #[test]
+    fn every_cpu_a_completion_vector_goes_to_is_listed_busiest_first() {
+        let (_t, roots) = machine(
+            "      CPU0  CPU1\n 35: 0 0 PCI-MSIX\n 36: 300 700 PCI-MSIX virtio1-req.0\n",
+            &[("35", "0"), ("36", "0-1")],
+        );
         assert_eq!(
-            roots.completion_cpus(253, 1),
-            vec![
-                InterruptCpu { cpu: 0, count: 700 },
-                InterruptCpu { cpu: 1, count: 300 }
-            ]
+            cpus(roots.completion_cpus(253, 1)),
+            vec![(1, 700), (0, 300)]
         );
     }
 
     #[test]
     fn a_device_with_no_interrupts_yet_gives_where_its_vectors_are_routed() {
-        let (_t, roots) = machine("      CPU0  CPU1\n 35: 0 0 x\n 36: 0 0 x\n");
-        let cpus: Vec<(usize, u64)> = roots
-            .completion_cpus(253, 1)
-            .iter()
-            .map(|c| (c.cpu, c.count))
-            .collect();
-        assert_eq!(cpus, vec![(0, 0), (1, 0)]);
+        let (_t, roots) = machine(
+            "      CPU0  CPU1\n 35: 0 0 x\n 36: 0 0 x\n",
+            &[("35", "1"), ("36", "0")],
+        );
+        assert_eq!(cpus(roots.completion_cpus(253, 1)), vec![(0, 0), (1, 0)]);
+    }
+
+    #[test]
+    fn without_the_routing_the_cpus_that_took_a_real_share_are_listed() {
+        let (_t, roots) = machine(BUSY, &[]);
+        // CPU 0's 2,000 of vector 36's 5,002,000 are under 1%.
+        assert_eq!(cpus(roots.completion_cpus(253, 1)), vec![(1, 5_000_000)]);
+        let (_t, roots) = machine("      CPU0  CPU1\n 35: 0 0 x\n 36: 300 700 x\n", &[]);
+        assert_eq!(
+            cpus(roots.completion_cpus(253, 1)),
+            vec![(1, 700), (0, 300)]
+        );
     }
 
     #[test]
     fn a_device_without_a_pci_function_or_number_gives_nothing() {
-        let (_t, roots) = machine(BUSY);
+        let (_t, roots) = machine(BUSY, ON_CPU1);
         assert!(roots.completion_cpus(7, 0).is_empty(), "loop device");
         assert!(roots.completion_cpus(0, 45).is_empty(), "anonymous device");
         assert!(roots.completion_cpus(8, 0).is_empty(), "no such device");
