@@ -356,3 +356,43 @@ fn deep_concurrent_reads_each_get_their_own_blocks_off_and_on_the_shard() {
     let s = d.bucket_state();
     assert_eq!(s.ceil.unwrap().wrapping_sub(s.tail), d.limit());
 }
+
+/// The pieces of one transfer all go to one shard; the next transfer from outside the shards
+/// goes to the next shard.
+#[test]
+fn every_piece_of_a_transfer_goes_to_one_shard() {
+    let dir = scratch();
+    // Through the shards' queues (no caller dispatch), so that each piece is counted by the
+    // shard it went to.
+    let (d, class) =
+        common::disk::build(common::disk::builder(true).shards(2).caller_dispatch(false));
+    let f = ThrottledFile::open(
+        d.clone(),
+        class,
+        dir.path().join("data"),
+        options(Backend::IoUring),
+    )
+    .unwrap();
+    let rt = rt();
+    let per_shard = |rt: &tokio::runtime::Runtime| -> Vec<u64> {
+        let s = rt.block_on(d.stats());
+        s.shards
+            .iter()
+            .map(|sh| sh.classes[class.index()].requests)
+            .collect()
+    };
+    // 1 MiB in pieces of 64 KiB: 16 pieces.
+    let (res, buf) = rt.block_on(f.write_at(AlignedBuf::zeroed(1 << 20).unwrap(), 0));
+    res.unwrap();
+    let first = per_shard(&rt);
+    assert_eq!(first.iter().sum::<u64>(), 16, "{first:?}");
+    assert!(first.contains(&16), "all 16 pieces on one shard: {first:?}");
+    let (res, _buf) = rt.block_on(f.write_at(buf, 1 << 20));
+    res.unwrap();
+    assert_eq!(
+        per_shard(&rt),
+        vec![16, 16],
+        "the second transfer on the other shard"
+    );
+    d.shutdown();
+}

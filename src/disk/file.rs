@@ -415,8 +415,9 @@ impl ThrottledFile {
             // One piece (a 4 KiB read): no list of handles.
             match submit(0, len) {
                 Ok(handle) => {
-                    let outcome = handle.await;
-                    self.outcome(op, offset, [(outcome, (0, len))])
+                    let mut tally = Tally::default();
+                    self.tally(&mut tally, op, offset, handle.await, (0, len));
+                    tally.finish()
                 }
                 Err(e) => Err(DiskError::Submit(e)),
             }
@@ -452,6 +453,7 @@ impl ThrottledFile {
     /// The last piece is awaited first: pieces end about in the order they were issued, so the
     /// caller is woken once for the whole transfer instead of once per piece (each a wake-up
     /// from another thread when the pieces ran on a shard); the rest are then done, or nearly.
+    /// Their outcomes are still added in order, so the count of leading bytes is the same.
     async fn settle(
         &self,
         op: &'static str,
@@ -462,44 +464,70 @@ impl ThrottledFile {
             Some((handle, range)) => Some((handle.await, range)),
             None => None,
         };
-        let mut outcomes = Vec::with_capacity(pieces.len() + 1);
+        let mut tally = Tally::default();
         for (handle, range) in pieces {
-            outcomes.push((handle.await, range));
+            let outcome = handle.await;
+            self.tally(&mut tally, op, offset, outcome, range);
         }
-        outcomes.extend(last);
-        self.outcome(op, offset, outcomes)
+        if let Some((outcome, range)) = last {
+            self.tally(&mut tally, op, offset, outcome, range);
+        }
+        tally.finish()
     }
 
-    /// The result of a transfer from its pieces' outcomes, in order (see [`settle`](Self::settle)).
-    fn outcome(
+    /// Adds the outcome of the piece at `start..start + plen` of a transfer at `offset` to
+    /// `tally`; pieces are added in their order in the transfer.
+    fn tally(
         &self,
+        tally: &mut Tally,
         op: &'static str,
         offset: u64,
-        pieces: impl IntoIterator<Item = (PieceOutcome, (usize, usize))>,
-    ) -> Result<usize, DiskError> {
-        let mut done = 0usize;
-        let mut contiguous = true;
-        let mut first_err = None;
-        for (outcome, (start, plen)) in pieces {
-            match outcome {
-                Ok(Ok(n)) => {
-                    if contiguous {
-                        done += n;
-                        contiguous = n == plen;
-                    }
-                }
-                Ok(Err(e)) => {
-                    first_err
-                        .get_or_insert_with(|| self.io_error(op, offset + start as u64, plen, e));
-                }
-                Err(e) => {
-                    first_err.get_or_insert(DiskError::Dispatch(e));
+        outcome: PieceOutcome,
+        (start, plen): (usize, usize),
+    ) {
+        match outcome {
+            Ok(Ok(n)) => {
+                if tally.contiguous {
+                    tally.done += n;
+                    tally.contiguous = n == plen;
                 }
             }
+            Ok(Err(e)) => {
+                tally
+                    .first_err
+                    .get_or_insert_with(|| self.io_error(op, offset + start as u64, plen, e));
+            }
+            Err(e) => {
+                tally.first_err.get_or_insert(DiskError::Dispatch(e));
+            }
         }
-        match first_err {
+    }
+}
+
+/// A transfer's result, its pieces' outcomes added in order: the bytes of the leading pieces
+/// done in full plus the first short one, or the first error.
+struct Tally {
+    done: usize,
+    /// Every piece so far was done in full.
+    contiguous: bool,
+    first_err: Option<DiskError>,
+}
+
+impl Default for Tally {
+    fn default() -> Self {
+        Tally {
+            done: 0,
+            contiguous: true,
+            first_err: None,
+        }
+    }
+}
+
+impl Tally {
+    fn finish(self) -> Result<usize, DiskError> {
+        match self.first_err {
             Some(e) => Err(e),
-            None => Ok(done),
+            None => Ok(self.done),
         }
     }
 }
