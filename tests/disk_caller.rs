@@ -13,7 +13,7 @@ use iothrottle::dispatcher::{ClassId, Dispatcher};
 
 mod common;
 
-use common::disk::stamp;
+use common::disk::{block_shard, stamp};
 
 /// A liveness bound only: a test that would hang fails after it instead.
 const GUARD: Duration = Duration::from_secs(60);
@@ -25,18 +25,6 @@ fn scratch() -> tempfile::TempDir {
 /// One unpinned shard over a fast modelled disk, one class, caller dispatch on.
 fn dispatcher() -> (Arc<Dispatcher>, ClassId) {
     common::disk::build(common::disk::builder(true).caller_dispatch(true))
-}
-
-/// Blocks the only shard's thread until the returned sender is dropped.
-fn block_shard(d: &Dispatcher) -> mpsc::Sender<()> {
-    let (tx, rx) = mpsc::channel::<()>();
-    let (started_tx, started) = mpsc::channel();
-    drop(d.spawn_on(0, move || async move {
-        started_tx.send(()).unwrap();
-        let _ = rx.recv();
-    }));
-    started.recv().unwrap();
-    tx
 }
 
 fn options(backend: Backend) -> FileOptions {

@@ -369,8 +369,9 @@ async fn real_disk_inner(
         if args.saturate { "; a spinning thread per core (--saturate)" } else { "" },
     );
     println!(
-        "  thread-per-core: {}; the disk interrupts CPUs {irq:?}\n",
-        placement.describe()
+        "  thread-per-core: {}; the disk interrupts CPUs {irq:?}\n  cross-thread: the compaction's transfers run on shards {:?}\n",
+        placement.describe(),
+        cross_io.file.background_shards(),
     );
 
     let ctx = Ctx {

@@ -4,7 +4,7 @@ use std::any::Any;
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::OpenOptionsExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use crate::dispatcher::{ClassId, Dispatcher, IoKind, IoRequest};
 use crate::sync::Arc;
@@ -80,26 +80,35 @@ impl FileOptions {
 /// one shard (the calling shard, on a shard), and its future *is* the I/O: it
 /// completes when the kernel completes the piece, so in capped mode the piece's tokens return
 /// to the bucket when the disk has done the work. The I/O runs on io_uring (or the blocking
-/// pool): the shard's runtime is never blocked by a read or a write.
+/// pool): the shard's runtime is never blocked by a read or a write. A
+/// [background](crate::dispatcher::ClassConfig::background) class's transfer from outside the
+/// shards runs on one of [`background_shards`](Self::background_shards) as one task, its caller
+/// woken once when it ends.
 ///
 /// Buffers are any [`IoBuf`] / [`IoBufMut`] (an [`AlignedBuf`] is the easy choice), moved in
 /// and handed back with the result ([`BufResult`]), on success and on error alike, so the
 /// kernel never writes memory the caller can see. If the call's future is dropped while pieces
-/// are in flight, the buffer stays alive until the last of them completes and is then dropped.
+/// are in flight, the buffer stays alive until the last of them completes and is then dropped
+/// (a background transfer handed to a shard runs to its end there).
+///
+/// Cloning is cheap: the clones share the open file, its class and its piece sizes.
 /// Addresses, lengths and offsets must be multiples of [`ALIGN`]; that and every other check
 /// is made before anything is submitted.
 ///
 /// Opening and the `fallocate` reservation of a write are not throttled (they move no data).
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct ThrottledFile {
     file: Arc<File>,
-    path: PathBuf,
+    path: std::sync::Arc<Path>,
     dispatcher: Arc<Dispatcher>,
     class: ClassId,
     backend: Resolved,
     /// The piece size of each class, `[read, write]`; 0 where not even one aligned block fits.
-    pieces: Box<[[usize; 2]]>,
+    pieces: std::sync::Arc<[[usize; 2]]>,
     reserve: bool,
+    /// Where a background class's transfers from outside the shards run
+    /// ([`background_shards`](Self::background_shards)).
+    background: std::sync::Arc<[usize]>,
 }
 
 impl ThrottledFile {
@@ -156,15 +165,28 @@ impl ThrottledFile {
                     .map(|kind| piece_size(&dispatcher, ClassId(c), kind, options.max_piece))
             })
             .collect();
+        let background = background_shards(&dispatcher, &super::irq::completion_cpus_of(&file));
         Ok(ThrottledFile {
+            background,
             file: Arc::new(file),
-            path,
+            path: path.into(),
             dispatcher,
             class,
             backend,
             pieces,
             reserve: options.reserve_writes,
         })
+    }
+
+    /// The shards a [background](crate::dispatcher::ClassConfig::background) class's
+    /// transfers run on when they come from outside the shards: those pinned away from the
+    /// CPUs that take this file's disk's completion interrupts ([`completion_cpus`], looked up
+    /// at open), so that the transfers' own work there does not fall where the reads complete;
+    /// every shard when that leaves none or the interrupts cannot be told.
+    ///
+    /// [`completion_cpus`]: super::completion_cpus
+    pub fn background_shards(&self) -> &[usize] {
+        &self.background
     }
 
     /// The backend in use (after [`Backend::Auto`] was resolved).
@@ -278,7 +300,7 @@ impl ThrottledFile {
             },
             _ => DiskError::Io {
                 op,
-                path: self.path.clone(),
+                path: self.path.to_path_buf(),
                 source,
             },
         }
@@ -347,6 +369,59 @@ impl ThrottledFile {
             Ok(p) => p,
             Err(e) => return (Err(e), buf),
         };
+        let shared = Arc::new(buf);
+        let res =
+            if self.dispatcher.current_shard().is_none() && self.dispatcher.is_background(class) {
+                self.hand_over(class, kind, piece, &shared, offset).await
+            } else {
+                self.pieces(class, kind, piece, &shared, offset).await
+            };
+        (res, reclaim(shared).await)
+    }
+
+    /// A background class's transfer from outside the shards: run on one shard as one task,
+    /// so that the caller's runtime issues none of its pieces and reaps none of their
+    /// completions; its caller is woken once, when the transfer ends. Dropping the caller's
+    /// future leaves the transfer to run to its end there (a shutdown waits for it); the
+    /// buffer comes back once no piece holds it.
+    async fn hand_over(
+        &self,
+        class: ClassId,
+        kind: IoKind,
+        piece: usize,
+        shared: &Arc<AlignedBuf>,
+        offset: u64,
+    ) -> Result<usize, DiskError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let (file, held) = (self.clone(), shared.clone());
+        let run: crate::dispatcher::task::BoxFuture = Box::pin(async move {
+            let res = file.pieces(class, kind, piece, &held, offset).await;
+            // Let go of the buffer before the caller hears: it takes it back without a copy.
+            drop(held);
+            let _ = tx.send(res);
+        });
+        if let Err(run) = self
+            .dispatcher
+            .run_on(self.dispatcher.pick_among(&self.background), run)
+        {
+            // Shutting down: run here, where the pieces are refused as any submission is.
+            run.await;
+        }
+        // Dropped unanswered only with its shard's thread gone.
+        rx.await
+            .unwrap_or(Err(DiskError::Submit(SubmitError::ShutDown)))
+    }
+
+    /// Issues the transfer's pieces and waits for them all.
+    async fn pieces(
+        &self,
+        class: ClassId,
+        kind: IoKind,
+        piece: usize,
+        shared: &Arc<AlignedBuf>,
+        offset: u64,
+    ) -> Result<usize, DiskError> {
+        let len = shared.len();
         let (op, opkind) = match kind {
             IoKind::Read => ("read", OpKind::Read),
             IoKind::Write => ("write", OpKind::Write),
@@ -361,13 +436,9 @@ impl ThrottledFile {
                 offset,
             };
             if let Err(e) = backend::run(self.backend, reserve).await {
-                return (
-                    Err(self.io_error("reserve (fallocate)", offset, len, e)),
-                    buf,
-                );
+                return Err(self.io_error("reserve (fallocate)", offset, len, e));
             }
         }
-        let shared = Arc::new(buf);
         // Every piece of one transfer goes to one shard: a piece's completion frees its class's
         // in-flight room where the next piece waits, and the shard that reaped it dispatches
         // that one itself instead of waking another.
@@ -411,7 +482,7 @@ impl ThrottledFile {
                 .submit_costed_to(shard, class, req, cost, task)
                 .map(|()| handle)
         };
-        let res = if len <= piece {
+        if len <= piece {
             // One piece (a 4 KiB read): no list of handles.
             match submit(0, len) {
                 Ok(handle) => {
@@ -442,8 +513,7 @@ impl ThrottledFile {
                 Some(e) => Err(e),
                 None => settled,
             }
-        };
-        (res, reclaim(shared).await)
+        }
     }
 
     /// Waits for every piece, even after a failure, so that no piece is still in flight when
@@ -534,6 +604,18 @@ impl Tally {
 
 /// What a piece's handle resolves to.
 type PieceOutcome = Result<std::io::Result<usize>, crate::DispatchError>;
+
+/// The shards pinned away from `irq_cpus` (see [`ThrottledFile::background_shards`]); every
+/// shard when that leaves none, or none is pinned to them.
+fn background_shards(d: &Dispatcher, irq_cpus: &[usize]) -> std::sync::Arc<[usize]> {
+    let near = d.shards_on(irq_cpus);
+    let away: Vec<usize> = (0..d.shards()).filter(|s| !near.contains(s)).collect();
+    if near.is_empty() || away.is_empty() {
+        (0..d.shards()).collect()
+    } else {
+        away.into()
+    }
+}
 
 fn kind_index(kind: IoKind) -> usize {
     match kind {

@@ -9,10 +9,13 @@
 //! run its latency-bound reads on the [shards](crate::Dispatcher::shards_on) pinned where the
 //! interrupts already arrive. docs/dispatcher.md, "Where the disk interrupts", has the figures.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fs::File;
 use std::io;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 /// A CPU that a disk's completion interrupts are delivered to, as [`completion_cpus`] finds
 /// it.
@@ -62,6 +65,40 @@ pub fn completion_cpus(path: impl AsRef<Path>) -> io::Result<Vec<InterruptCpu>> 
         proc: PathBuf::from("/proc"),
     };
     Ok(roots.completion_cpus(libc::major(dev), libc::minor(dev)))
+}
+
+/// How long [`completion_cpus_of`] trusts what it found for a device: irqbalance moves vectors
+/// every ten seconds at most.
+const TRUST: Duration = Duration::from_secs(10);
+
+/// The CPUs (numbers only) of [`completion_cpus`] for the device holding `file`, looked up once
+/// per device every [`TRUST`] in a process: reading `/proc/interrupts` costs more than opening
+/// a file, and an engine opens many files on one disk. Empty when it cannot be told.
+pub(crate) fn completion_cpus_of(file: &File) -> Arc<[usize]> {
+    type Seen = HashMap<u64, (Instant, Arc<[usize]>)>;
+    static SEEN: OnceLock<Mutex<Seen>> = OnceLock::new();
+    let Ok(meta) = file.metadata() else {
+        return Arc::from([]);
+    };
+    let dev = meta.dev();
+    let seen = SEEN.get_or_init(Mutex::default);
+    let fresh = |(at, cpus): &(Instant, Arc<[usize]>)| (at.elapsed() < TRUST).then(|| cpus.clone());
+    if let Some(cpus) = seen.lock().ok().and_then(|m| m.get(&dev).and_then(fresh)) {
+        return cpus;
+    }
+    let roots = Roots {
+        sys: PathBuf::from("/sys"),
+        proc: PathBuf::from("/proc"),
+    };
+    let cpus: Arc<[usize]> = roots
+        .completion_cpus(libc::major(dev), libc::minor(dev))
+        .iter()
+        .map(|c| c.cpu)
+        .collect();
+    if let Ok(mut m) = seen.lock() {
+        m.insert(dev, (Instant::now(), cpus.clone()));
+    }
+    cpus
 }
 
 /// Where sysfs and procfs are mounted (`/sys` and `/proc`; a directory tree in tests).

@@ -22,7 +22,7 @@ use super::runner::{self, Msg, ShutdownMode, StatsReply};
 use super::spawn::{self, ShardJoinHandle};
 use super::state::Shared;
 use super::stats::{self, DispatcherStats, ShardStats};
-use super::task::{self, BoxTask, Completion, InFlight};
+use super::task::{self, BoxFuture, BoxTask, Completion, InFlight};
 use super::timer;
 use super::DispatcherBuilder;
 use crate::SpawnError;
@@ -181,6 +181,29 @@ impl Dispatcher {
     /// The shard the calling thread runs, if it is one of this dispatcher's.
     pub fn current_shard(&self) -> Option<usize> {
         spawn::current_index(self.id())
+    }
+
+    /// Whether `class` was made with [`ClassConfig::background`] (an unknown class is not).
+    pub(crate) fn is_background(&self, class: ClassId) -> bool {
+        class.0 < self.classes() && self.shared.classes.get(class.0).config.is_background()
+    }
+
+    /// Sends `fut` to shard `shard`, to run there to its end counted among the shard's running
+    /// futures, so that a shutdown waits for it. `Err(fut)` when the dispatcher is shutting
+    /// down, or the shard is gone: the caller runs it itself.
+    pub(crate) fn run_on(&self, shard: usize, fut: BoxFuture) -> Result<(), BoxFuture> {
+        // Acquire: pairs with the Release in `signal`; a shard that sees the shutdown first
+        // still runs what it receives (see `runner`).
+        if self.shared.closed.load(Ordering::Acquire) != 0 {
+            return Err(fut);
+        }
+        match self.senders.get(shard) {
+            Some(tx) => tx.send(Msg::Run(fut)).map_err(|e| match e.0 {
+                Msg::Run(fut) => fut,
+                _ => unreachable!("sent a Run"),
+            }),
+            None => Err(fut),
+        }
     }
 
     /// The number of classes.
@@ -559,6 +582,16 @@ impl Dispatcher {
     }
 
     /// The shard a request submitted now goes to: the calling shard, else the next in turn.
+    /// One of `shards` in turn (any shard when `shards` is empty).
+    pub(crate) fn pick_among(&self, shards: &[usize]) -> usize {
+        if shards.is_empty() {
+            return self.pick_shard();
+        }
+        // Relaxed: a lone counter; any interleaving spreads the requests.
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        shards[(n % shards.len() as u64) as usize]
+    }
+
     pub(crate) fn pick_shard(&self) -> usize {
         if let Some(s) = self.current_shard() {
             return s;

@@ -119,7 +119,7 @@ where
     let tx = tx.clone();
     let adopt = Box::new(move |run: BoxFuture| {
         // A shard that stopped drops it: its `FastDone` releases the tokens.
-        let _ = tx.send(Msg::Adopt(run));
+        let _ = tx.send(Msg::Run(run));
     });
     IoHandle::inline(rx, run, adopt)
 }

@@ -41,8 +41,12 @@ pub(crate) enum Msg {
     ///
     /// [`Dispatcher::spawn_on`]: super::Dispatcher::spawn_on
     Spawn(SpawnJob),
-    /// Run a request dispatched on its caller's thread to its end (its handle was dropped).
-    Adopt(crate::dispatcher::task::BoxFuture),
+    /// Run a future to its end on the shard, counted among its running futures (a shutdown
+    /// waits for it): a request dispatched on its caller's thread whose handle was dropped, or
+    /// a background transfer its caller handed over ([`Dispatcher::run_on`]).
+    ///
+    /// [`Dispatcher::run_on`]: super::Dispatcher::run_on
+    Run(crate::dispatcher::task::BoxFuture),
 }
 
 /// Where a shard sends a copy of its stats.
@@ -389,10 +393,14 @@ async fn run(
         }
         // The loop polls the core next, which takes up the change.
         Msg::Wake => {}
-        // A request dispatched on its caller's thread whose handle was dropped before it
-        // ended: it runs to its end here.
-        Msg::Adopt(fut) => {
-            tokio::task::spawn_local(fut);
+        // Runs to its end here, counted as a dispatched request's future is: even a shutdown
+        // in progress waits for it (it ends soon, as what it submits from now is refused).
+        Msg::Run(fut) => {
+            let running = Running::start(inflight.clone());
+            tokio::task::spawn_local(async move {
+                let _running = running;
+                fut.await;
+            });
         }
         // Dropped unrun once shutdown started: its handle resolves to `Cancelled`.
         Msg::Spawn(job) => {
@@ -534,6 +542,29 @@ async fn run(
     // handles resolve to `DispatchError::ShutDown`.
 }
 
+/// A future counted among a shard's running ones ([`Msg::Run`]) from its start until it is
+/// dropped, finished or not (a panic unwinds through it too).
+struct Running(Rc<InFlight>);
+
+impl Running {
+    fn start(inflight: Rc<InFlight>) -> Self {
+        inflight.touch();
+        inflight.count.set(inflight.count.get() + 1);
+        Running(inflight)
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.touch();
+        let n = self.0.count.get() - 1;
+        self.0.count.set(n);
+        if n == 0 {
+            self.0.idle.notify_one();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -603,6 +634,40 @@ mod tests {
             wait_parks(&d, before + 1);
         }
         d.shutdown();
+    }
+
+    /// A future sent with `run_on` is counted as running: a shutdown does not end before it
+    /// does, and it runs to its end though the shutdown began while it waited.
+    #[test]
+    fn a_shutdown_waits_for_a_future_sent_to_run_on_the_shard() {
+        let (d, _) = one_shard(Duration::ZERO);
+        let (go, wait) = tokio::sync::oneshot::channel::<()>();
+        let (started_tx, started) = std::sync::mpsc::channel();
+        let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let ended = done.clone();
+        let sent = d.run_on(
+            0,
+            Box::pin(async move {
+                started_tx.send(()).unwrap();
+                let _ = wait.await;
+                ended.store(true, std::sync::atomic::Ordering::SeqCst);
+            }),
+        );
+        assert!(sent.is_ok(), "the shard takes it");
+        started.recv().unwrap();
+        // It cannot end while the future waits, whatever the time allowed.
+        assert!(matches!(
+            d.shutdown_timeout(Duration::from_millis(20)),
+            Err(crate::ShutdownError::TimedOut { running: 1 })
+        ));
+        // Shutting down: nothing more is taken, and the caller gets its future back.
+        assert!(d.run_on(0, Box::pin(async {})).is_err());
+        go.send(()).unwrap();
+        d.shutdown();
+        assert!(
+            done.load(std::sync::atomic::Ordering::SeqCst),
+            "it ran to its end"
+        );
     }
 
     /// An idle poll that never finds its core contended (the tests run on a loaded machine).

@@ -96,13 +96,35 @@ pub struct Watched {
 impl Watched {
     /// One page of `byte`, and the flag its drop sets.
     pub fn page(byte: u8) -> (Watched, Arc<AtomicBool>) {
+        Watched::of(&[byte; ALIGN])
+    }
+
+    /// `bytes` (a multiple of [`ALIGN`] long), and the flag its drop sets.
+    pub fn of(bytes: &[u8]) -> (Watched, Arc<AtomicBool>) {
         let dropped = Arc::new(AtomicBool::new(false));
         let buf = Watched {
-            buf: AlignedBuf::from_slice(&[byte; ALIGN]).unwrap(),
+            buf: AlignedBuf::from_slice(bytes).unwrap(),
             dropped: dropped.clone(),
         };
         (buf, dropped)
     }
+
+    /// The bytes it holds.
+    pub fn bytes(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
+/// Blocks shard 0's thread until the returned sender is dropped.
+pub fn block_shard(d: &Dispatcher) -> std::sync::mpsc::Sender<()> {
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let (started_tx, started) = std::sync::mpsc::channel();
+    drop(d.spawn_on(0, move || async move {
+        started_tx.send(()).unwrap();
+        let _ = rx.recv();
+    }));
+    started.recv().unwrap();
+    tx
 }
 
 impl Drop for Watched {
