@@ -760,3 +760,48 @@ pub(crate) fn open_direct(path: &Path, write: bool, create: bool) -> Result<File
         }),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dispatcher::{ClassConfig, DiskModel, Figures};
+
+    #[test]
+    fn background_transfers_go_to_the_shards_away_from_the_interrupts() {
+        let d = Dispatcher::builder()
+            .shards(2)
+            .pin_threads(true)
+            .disk(DiskModel::symmetric(Figures {
+                iops: 100_000,
+                bandwidth: 1_000_000_000,
+            }))
+            .class(ClassConfig::new("io", 1))
+            .build()
+            .unwrap();
+        let (Some(c0), Some(c1)) = (d.shard_cpu(0), d.shard_cpu(1)) else {
+            eprintln!("cannot pin threads: skipped");
+            return;
+        };
+        if c0 == c1 {
+            // One core: both shards take the interrupts, so every shard is used.
+            assert_eq!(&*background_shards(&d, &[c0]), &[0, 1]);
+            eprintln!("one core: the split was not checked");
+            return;
+        }
+        assert_eq!(
+            &*background_shards(&d, &[c1]),
+            &[0],
+            "away from shard 1's CPU"
+        );
+        assert_eq!(
+            &*background_shards(&d, &[c0]),
+            &[1],
+            "away from shard 0's CPU"
+        );
+        // Every shard takes interrupts, none is known, or none is pinned where they arrive.
+        assert_eq!(&*background_shards(&d, &[c0, c1]), &[0, 1]);
+        assert_eq!(&*background_shards(&d, &[]), &[0, 1]);
+        assert_eq!(&*background_shards(&d, &[usize::MAX]), &[0, 1]);
+        d.shutdown();
+    }
+}

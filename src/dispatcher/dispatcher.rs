@@ -581,7 +581,6 @@ impl Dispatcher {
         self.shared.too_large(request, cost)
     }
 
-    /// The shard a request submitted now goes to: the calling shard, else the next in turn.
     /// One of `shards` in turn (any shard when `shards` is empty).
     pub(crate) fn pick_among(&self, shards: &[usize]) -> usize {
         if shards.is_empty() {
@@ -592,6 +591,7 @@ impl Dispatcher {
         shards[(n % shards.len() as u64) as usize]
     }
 
+    /// The shard a request submitted now goes to: the calling shard, else the next in turn.
     pub(crate) fn pick_shard(&self) -> usize {
         if let Some(s) = self.current_shard() {
             return s;
