@@ -30,6 +30,8 @@ fn the_defaults_leave_the_dispatcher_to_the_builder() {
     assert_eq!(a.shards, None, "the builder's default shards");
     assert_eq!(a.bg_in_flight_us, None, "a background class's bound");
     assert!(!a.saturate && !a.no_bg_bound && !a.uncapped && !a.spread);
+    assert_eq!(a.rounds, 6);
+    assert_eq!(parse(&["--rounds", "3"]).unwrap().rounds, 3);
     assert_eq!(
         (a.fg_iops, a.fg_depth, a.bg_kib, a.bg_depth),
         (2000, 4, 1024, 4)
@@ -57,7 +59,11 @@ fn saturate_and_the_short_run_flags_parse() {
     ])
     .unwrap();
     assert!(a.saturate);
-    assert_eq!((a.phase_secs, a.slice_ms), (1, 200));
+    assert_eq!(
+        (a.rounds, a.slice_ms),
+        (1, 200),
+        "`--phase-secs` names the rounds too"
+    );
     assert_eq!((a.goal_us, a.shards), (Some(300), Some(2)));
     assert_eq!(a.plain_rate, 20 << 20);
     assert_eq!(a.shares, (800, 200));

@@ -21,10 +21,10 @@ pub struct Args {
     #[arg(long)]
     pub modelled: bool,
     /// Rounds: each round runs one slice of every phase, interleaved, so that whatever else
-    /// the machine does falls on all phases alike.
-    #[arg(long, default_value_t = 6)]
-    pub phase_secs: u64,
-    /// Length of one slice, milliseconds (a phase runs `--phase-secs` slices).
+    /// the machine does falls on all phases alike (`--phase-secs` is another name for it).
+    #[arg(long, visible_alias = "phase-secs", default_value_t = 6)]
+    pub rounds: u64,
+    /// Length of one slice, milliseconds (a phase runs `--rounds` slices).
     #[arg(long, default_value_t = 1000)]
     pub slice_ms: u64,
     /// Foreground readers: each has its own fixed schedule of arrivals; a read is issued when
@@ -110,7 +110,7 @@ pub const MAX_BG_KIB: u64 = 64 * 1024;
 /// Every value checked before anything runs (the checks that need no file system).
 pub fn check_values(args: &Args) -> Result<(), String> {
     let positive = [
-        ("--phase-secs", args.phase_secs),
+        ("--rounds", args.rounds),
         ("--slice-ms", args.slice_ms),
         ("--fg-depth", args.fg_depth as u64),
         ("--fg-iops", args.fg_iops),
@@ -135,8 +135,8 @@ pub fn check_values(args: &Args) -> Result<(), String> {
     if args.bg_in_flight_us == Some(0) {
         return Err("--bg-in-flight-us must be positive (--no-bg-bound removes the bound)".into());
     }
-    if args.phase_secs > 600 || args.slice_ms > 60_000 {
-        return Err("--phase-secs is at most 600, --slice-ms 60000".into());
+    if args.rounds > 600 || args.slice_ms > 60_000 {
+        return Err("--rounds is at most 600, --slice-ms 60000".into());
     }
     if !args.bg_kib.is_multiple_of(4) || args.bg_kib > MAX_BG_KIB {
         return Err(format!(

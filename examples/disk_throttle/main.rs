@@ -19,7 +19,7 @@
 //!    `io_properties.yaml` (`--properties`). The dispatcher is the builder's defaults plus one
 //!    line for the compaction class (docs/disk.md, "Recommended configuration").
 //! 2. **Phases**, run as interleaved slices (`--slice-ms`, one of each phase per round,
-//!    `--phase-secs` rounds), on a scratch file under `--dir`, removed at the end:
+//!    `--rounds` rounds), on a scratch file under `--dir`, removed at the end:
 //!    - `idle`: the foreground alone: random 4 KiB O_DIRECT reads at `--fg-iops`, open loop;
 //!    - `unthrottled`: the foreground plus a compaction of `--bg-kib` O_DIRECT writes,
 //!      `--bg-depth` in flight, as fast as the disk takes them;
@@ -364,7 +364,7 @@ async fn real_disk_inner(
         args.fg_iops,
         args.bg_depth,
         args.plain_rate as f64 / 1e6,
-        args.phase_secs,
+        args.rounds,
         args.slice_ms,
         if args.saturate { "; a spinning thread per core (--saturate)" } else { "" },
     );
@@ -387,7 +387,7 @@ async fn real_disk_inner(
     print_header();
     let mut rows = Vec::new();
     let mut results: Vec<PhaseResult> = Phase::ALL.iter().map(|p| PhaseResult::empty(*p)).collect();
-    for (round, phase) in (1..=args.phase_secs).flat_map(|r| Phase::ALL.map(|p| (r, p))) {
+    for (round, phase) in (1..=args.rounds).flat_map(|r| Phase::ALL.map(|p| (r, p))) {
         let route = match phase {
             Phase::Idle | Phase::Unthrottled => Route::Direct(direct.clone()),
             Phase::Plain => {

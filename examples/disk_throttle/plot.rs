@@ -24,7 +24,7 @@ pub(crate) fn plot_real(args: &Args, rows: &[Row]) -> Result<(), BoxError> {
     let root = SVGBackend::new(&args.plot, (1000, 760)).into_drawing_area();
     root.fill(&WHITE)?;
     let (top, bottom) = root.split_vertically(380);
-    let x_max = args.phase_secs as f64 + 0.5;
+    let x_max = args.rounds as f64 + 0.5;
     let bw_max = rows.iter().map(|r| r.bg_mb_s()).fold(1.0, f64::max) * 1.3;
     let p99_ms = |r: &Row| (q(&r.fg, 0.99).as_secs_f64() * 1e3).max(1e-3);
     let lat_max = rows.iter().map(p99_ms).fold(0.1, f64::max) * 2.0;
