@@ -4,8 +4,11 @@
 //! and comes back, a caller that drops its future leaves the transfer to end there, and a
 //! shutdown ends it with the buffer handed back.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
 use iothrottle::disk::{AlignedBuf, Backend, FileOptions, ThrottledFile, ALIGN};
@@ -35,6 +38,17 @@ fn file(dir: &tempfile::TempDir) -> (Arc<Dispatcher>, ThrottledFile, ClassId, Cl
     };
     let f = ThrottledFile::open(d.clone(), fg, dir.path().join("data"), options).unwrap();
     (d, f, fg, bg)
+}
+
+/// Polls `f` once (which hands a background transfer over to its shard); it must still be
+/// pending, since its shard is blocked.
+async fn poll_once_pending<F: Future>(f: Pin<&mut F>) {
+    let mut f = f;
+    std::future::poll_fn(|cx| {
+        assert!(f.as_mut().poll(cx).is_pending(), "ended without its shard");
+        Poll::Ready(())
+    })
+    .await;
 }
 
 /// Four blocks of [`stamp`]s: 64 KiB, four pieces.
@@ -130,11 +144,7 @@ fn a_background_transfer_whose_caller_went_away_still_runs_to_its_end() {
         let write = f.write_at_in(bg, AlignedBuf::from_slice(&blocks()).unwrap(), 0);
         tokio::pin!(write);
         // Polled once (handed over to the blocked shard), then dropped.
-        tokio::select! {
-            biased;
-            _ = &mut write => panic!("ended without its shard"),
-            () = std::future::ready(()) => {}
-        }
+        poll_once_pending(write.as_mut()).await;
     });
     drop(blocked);
     // Polled, not timed: the test runner's timeout catches a transfer that never ends.
@@ -162,11 +172,7 @@ fn a_shutdown_ends_a_handed_over_transfer_and_its_buffer_comes_back() {
     let (res, buf) = rt.block_on(async {
         let write = f.write_at_in(bg, buf, 0);
         tokio::pin!(write);
-        tokio::select! {
-            biased;
-            _ = &mut write => panic!("ended without its shard"),
-            () = std::future::ready(()) => {}
-        }
+        poll_once_pending(write.as_mut()).await;
         // The shutdown begins while the transfer waits for its shard (which cannot stop while
         // blocked, however long it is given).
         assert!(d.shutdown_timeout(Duration::from_millis(1)).is_err());

@@ -370,12 +370,23 @@ impl ThrottledFile {
             Err(e) => return (Err(e), buf),
         };
         let shared = Arc::new(buf);
-        let res =
-            if self.dispatcher.current_shard().is_none() && self.dispatcher.is_background(class) {
-                self.hand_over(class, kind, piece, &shared, offset).await
-            } else {
-                self.pieces(class, kind, piece, &shared, offset).await
-            };
+        let t = Transfer {
+            class,
+            kind,
+            piece,
+            offset,
+        };
+        // Every piece of one transfer goes to one shard: a piece's completion frees its class's
+        // in-flight room where the next piece waits, and the shard that reaped it dispatches
+        // that one itself instead of waking another. On a shard, that shard.
+        let res = match self.dispatcher.current_shard() {
+            Some(here) => self.pieces(here, t, &shared).await,
+            None if self.dispatcher.is_background(class) => self.hand_over(t, &shared).await,
+            None => {
+                let shard = self.dispatcher.pick_shard();
+                self.pieces(shard, t, &shared).await
+            }
+        };
         (res, reclaim(shared).await)
     }
 
@@ -384,26 +395,17 @@ impl ThrottledFile {
     /// completions; its caller is woken once, when the transfer ends. Dropping the caller's
     /// future leaves the transfer to run to its end there (a shutdown waits for it); the
     /// buffer comes back once no piece holds it.
-    async fn hand_over(
-        &self,
-        class: ClassId,
-        kind: IoKind,
-        piece: usize,
-        shared: &Arc<AlignedBuf>,
-        offset: u64,
-    ) -> Result<usize, DiskError> {
+    async fn hand_over(&self, t: Transfer, shared: &Arc<AlignedBuf>) -> Result<usize, DiskError> {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let (file, held) = (self.clone(), shared.clone());
+        let shard = self.dispatcher.pick_among(&self.background);
         let run: crate::dispatcher::task::BoxFuture = Box::pin(async move {
-            let res = file.pieces(class, kind, piece, &held, offset).await;
+            let res = file.pieces(shard, t, &held).await;
             // Let go of the buffer before the caller hears: it takes it back without a copy.
             drop(held);
             let _ = tx.send(res);
         });
-        if let Err(run) = self
-            .dispatcher
-            .run_on(self.dispatcher.pick_among(&self.background), run)
-        {
+        if let Err(run) = self.dispatcher.run_on(shard, run) {
             // Shutting down: run here, where the pieces are refused as any submission is.
             run.await;
         }
@@ -412,15 +414,20 @@ impl ThrottledFile {
             .unwrap_or(Err(DiskError::Submit(SubmitError::ShutDown)))
     }
 
-    /// Issues the transfer's pieces and waits for them all.
+    /// Issues the transfer's pieces for `shard` (the caller's own, on a shard) and waits for
+    /// them all.
     async fn pieces(
         &self,
-        class: ClassId,
-        kind: IoKind,
-        piece: usize,
+        shard: usize,
+        t: Transfer,
         shared: &Arc<AlignedBuf>,
-        offset: u64,
     ) -> Result<usize, DiskError> {
+        let Transfer {
+            class,
+            kind,
+            piece,
+            offset,
+        } = t;
         let len = shared.len();
         let (op, opkind) = match kind {
             IoKind::Read => ("read", OpKind::Read),
@@ -439,10 +446,6 @@ impl ThrottledFile {
                 return Err(self.io_error("reserve (fallocate)", offset, len, e));
             }
         }
-        // Every piece of one transfer goes to one shard: a piece's completion frees its class's
-        // in-flight room where the next piece waits, and the shard that reaped it dispatches
-        // that one itself instead of waking another.
-        let shard = self.dispatcher.pick_shard();
         let submit = |start: usize, plen: usize| {
             let req = request(kind, plen);
             let cost = self.dispatcher.cost(&req);
@@ -572,6 +575,16 @@ impl ThrottledFile {
             }
         }
     }
+}
+
+/// What a transfer is, once checked: its class and direction, its piece size and where in the
+/// file it starts.
+#[derive(Debug, Clone, Copy)]
+struct Transfer {
+    class: ClassId,
+    kind: IoKind,
+    piece: usize,
+    offset: u64,
 }
 
 /// A transfer's result, its pieces' outcomes added in order: the bytes of the leading pieces

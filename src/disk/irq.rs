@@ -60,11 +60,7 @@ pub struct InterruptCpu {
 /// ```
 pub fn completion_cpus(path: impl AsRef<Path>) -> io::Result<Vec<InterruptCpu>> {
     let dev = std::fs::metadata(path)?.dev();
-    let roots = Roots {
-        sys: PathBuf::from("/sys"),
-        proc: PathBuf::from("/proc"),
-    };
-    Ok(roots.completion_cpus(libc::major(dev), libc::minor(dev)))
+    Ok(Roots::system().completion_cpus(libc::major(dev), libc::minor(dev)))
 }
 
 /// How long [`completion_cpus_of`] trusts what it found for a device: irqbalance moves vectors
@@ -86,11 +82,7 @@ pub(crate) fn completion_cpus_of(file: &File) -> Arc<[usize]> {
     if let Some(cpus) = seen.lock().ok().and_then(|m| m.get(&dev).and_then(fresh)) {
         return cpus;
     }
-    let roots = Roots {
-        sys: PathBuf::from("/sys"),
-        proc: PathBuf::from("/proc"),
-    };
-    let cpus: Arc<[usize]> = roots
+    let cpus: Arc<[usize]> = Roots::system()
         .completion_cpus(libc::major(dev), libc::minor(dev))
         .iter()
         .map(|c| c.cpu)
@@ -108,6 +100,14 @@ struct Roots {
 }
 
 impl Roots {
+    /// The machine's own.
+    fn system() -> Self {
+        Roots {
+            sys: PathBuf::from("/sys"),
+            proc: PathBuf::from("/proc"),
+        }
+    }
+
     fn completion_cpus(&self, major: u32, minor: u32) -> Vec<InterruptCpu> {
         if major == 0 {
             // Anonymous device numbers: no block device behind them.

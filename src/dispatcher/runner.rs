@@ -443,8 +443,7 @@ async fn run(
         }
         let now = shared.clock.now();
         let next = core.borrow_mut().poll(now, &mut |e| {
-            inflight.touch();
-            inflight.count.set(inflight.count.get() + 1);
+            inflight.enter();
             let done = Completion {
                 cost: e.cost,
                 class: e.class,
@@ -548,20 +547,14 @@ struct Running(Rc<InFlight>);
 
 impl Running {
     fn start(inflight: Rc<InFlight>) -> Self {
-        inflight.touch();
-        inflight.count.set(inflight.count.get() + 1);
+        inflight.enter();
         Running(inflight)
     }
 }
 
 impl Drop for Running {
     fn drop(&mut self) {
-        self.0.touch();
-        let n = self.0.count.get() - 1;
-        self.0.count.set(n);
-        if n == 0 {
-            self.0.idle.notify_one();
-        }
+        self.0.leave();
     }
 }
 

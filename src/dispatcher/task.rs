@@ -240,6 +240,24 @@ impl InFlight {
     pub(crate) fn touch(&self) {
         self.activity.touch();
     }
+
+    /// One more future running on the shard (a request dispatched, or a future sent to run
+    /// there): the shard's end waits for it.
+    pub(crate) fn enter(&self) {
+        self.touch();
+        self.count.set(self.count.get() + 1);
+    }
+
+    /// A future counted by [`enter`](Self::enter) ended; the last one wakes a shard waiting to
+    /// end.
+    pub(crate) fn leave(&self) {
+        self.touch();
+        let n = self.count.get() - 1;
+        self.count.set(n);
+        if n == 0 {
+            self.idle.notify_one();
+        }
+    }
 }
 
 /// Held by a running request: when dropped (the future ended, or was torn down), its tokens are
@@ -272,8 +290,7 @@ impl Completion {
             }
         }
         super::fast::metrics_at_once(&inflight.shared, class, (cost, bytes));
-        inflight.touch();
-        inflight.count.set(inflight.count.get() + 1);
+        inflight.enter();
         // A parked loop would not poll for the completion; one that runs takes the permit on
         // its next park and comes round once.
         inflight.kick.notify_one();
@@ -331,11 +348,6 @@ impl Drop for Completion {
                 core.completed(self.class, self.cost, self.times, now);
             }
         }
-        self.inflight.touch();
-        let n = self.inflight.count.get() - 1;
-        self.inflight.count.set(n);
-        if n == 0 {
-            self.inflight.idle.notify_one();
-        }
+        self.inflight.leave();
     }
 }
