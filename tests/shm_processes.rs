@@ -47,6 +47,11 @@ fn shm_child() {
     match p[0] {
         "grab" => {
             let (start, end) = (p[2].parse::<u64>().unwrap(), p[3].parse::<u64>().unwrap());
+            // Sleep to a millisecond before the start (the test process must get a core to
+            // replenish then), and spin the rest.
+            while now_ns() + 1_000_000 < start {
+                std::thread::sleep(Duration::from_micros(500));
+            }
             while now_ns() < start {
                 std::hint::spin_loop();
             }
@@ -205,28 +210,45 @@ fn a_process_killed_at_every_step_holds_back_no_one() {
 }
 
 /// Runs `n` grabbing processes for `secs` on one bucket while chaos processes (rate changes
-/// to the same rate, replenishes) are SIGKILLed at pseudo-random moments, and one grabber is
-/// Checks the total granted against `limit + rate × t`: never above it, and at least
-/// `percent` of it (what the processes fail to take while all of them are descheduled for
-/// longer than the bucket's limit lasts is discarded, so a loaded machine takes less).
+/// to the same rate, replenishes) are SIGKILLed at pseudo-random moments. Checks the total
+/// granted against `limit + rate × t`, `t` counted from the last replenish that ended before
+/// any grab: never above it, and at least `percent` of it (what the processes fail to take
+/// while all of them are descheduled for longer than the bucket's limit lasts is discarded,
+/// so a loaded machine takes less).
 fn n_processes_share_one_rate(n: usize, secs: u64, percent: u128) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("disk.bucket");
     let b = SharedMemoryBucket::<Uncapped>::open(&path, cfg()).unwrap();
     b.replenish();
+    // The first replenish filled the bucket and ended before any child exists.
+    let t_open = b.last_replenish().unwrap().as_nanos() as u64;
     // Start after every child is up.
     let start = now_ns() + 300_000_000;
     let end = start + secs * 1_000_000_000;
     let spec = |from: u64| format!("grab|{}|{from}|{end}", path.display());
     let mut grabbers: Vec<Child> = (0..n).map(|_| child(spec(start), None)).collect();
-    // A replenish just before the start: from `t0` on the bucket holds at most LIMIT, with
-    // no time left unpriced (a replenish prices its whole interval, capped by the room at
-    // that moment, so an old unpriced interval could add up to LIMIT more).
+    // A replenish just before the start, so that the bound counts from there: the time
+    // between the creation and the start is priced and discarded (the bucket is full). A
+    // replenish prices its whole interval, capped by the room at that moment, so an interval
+    // still unpriced when the grabbers start would add up to LIMIT to what they take: the
+    // bound may count from this replenish only if the whole of it ended before the start.
+    // On a loaded machine this process can wake up after the start; the bound then counts
+    // from the first replenish, which ended before any child existed.
     while now_ns() + 2_000_000 < start {
         std::thread::sleep(Duration::from_millis(1));
     }
     b.replenish();
-    let t0 = b.last_replenish().unwrap().as_nanos() as u64;
+    // Read before the clock: if the clock then still reads before the start, no child had
+    // touched the bucket yet.
+    let replenished = b.last_replenish().unwrap().as_nanos() as u64;
+    let t0 = if now_ns() < start {
+        replenished
+    } else {
+        eprintln!(
+            "{n} processes: the replenish before the start ended late; bound from the creation"
+        );
+        t_open
+    };
     // A small deterministic generator for the kill moments.
     let mut seed = 0x9e37_79b9_7f4a_7c15u64 ^ n as u64;
     let mut next = move |m: u64| {
