@@ -71,26 +71,43 @@ const TRUST: Duration = Duration::from_secs(10);
 /// per device every [`TRUST`] in a process: reading `/proc/interrupts` costs more than opening
 /// a file, and an engine opens many files on one disk. Empty when it cannot be told.
 pub(crate) fn completion_cpus_of(file: &File) -> Arc<[usize]> {
-    type Seen = HashMap<u64, (Instant, Arc<[usize]>)>;
     static SEEN: OnceLock<Mutex<Seen>> = OnceLock::new();
     let Ok(meta) = file.metadata() else {
         return Arc::from([]);
     };
     let dev = meta.dev();
-    let seen = SEEN.get_or_init(Mutex::default);
-    let fresh = |(at, cpus): &(Instant, Arc<[usize]>)| (at.elapsed() < TRUST).then(|| cpus.clone());
-    if let Some(cpus) = seen.lock().ok().and_then(|m| m.get(&dev).and_then(fresh)) {
-        return cpus;
+    // The map is whole at every point (a lookup that panicked inserted nothing): a poisoned
+    // lock is used as it is.
+    let mut seen = SEEN
+        .get_or_init(Mutex::default)
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    seen.get(dev, Instant::now(), || {
+        Roots::system()
+            .completion_cpus(libc::major(dev), libc::minor(dev))
+            .iter()
+            .map(|c| c.cpu)
+            .collect()
+    })
+}
+
+/// What [`completion_cpus_of`] found per device number, and when.
+#[derive(Debug, Default)]
+struct Seen(HashMap<u64, (Instant, Arc<[usize]>)>);
+
+impl Seen {
+    /// The CPUs of `dev`: what was found less than [`TRUST`] before `now`, or else what
+    /// `look` finds, kept from `now` on.
+    fn get(&mut self, dev: u64, now: Instant, look: impl FnOnce() -> Arc<[usize]>) -> Arc<[usize]> {
+        match self.0.get(&dev) {
+            Some((at, cpus)) if now.saturating_duration_since(*at) < TRUST => cpus.clone(),
+            _ => {
+                let cpus = look();
+                self.0.insert(dev, (now, cpus.clone()));
+                cpus
+            }
+        }
     }
-    let cpus: Arc<[usize]> = Roots::system()
-        .completion_cpus(libc::major(dev), libc::minor(dev))
-        .iter()
-        .map(|c| c.cpu)
-        .collect();
-    if let Ok(mut m) = seen.lock() {
-        m.insert(dev, (Instant::now(), cpus.clone()));
-    }
-    cpus
 }
 
 /// Where sysfs and procfs are mounted (`/sys` and `/proc`; a directory tree in tests).
@@ -412,6 +429,31 @@ mod tests {
         assert!(roots.completion_cpus(7, 0).is_empty(), "loop device");
         assert!(roots.completion_cpus(0, 45).is_empty(), "anonymous device");
         assert!(roots.completion_cpus(8, 0).is_empty(), "no such device");
+    }
+
+    #[test]
+    fn a_device_is_looked_up_again_only_after_the_trust_has_run_out() {
+        let mut seen = Seen::default();
+        let t = Instant::now();
+        let looks = std::cell::Cell::new(0);
+        let look = |cpus: &[usize]| {
+            looks.set(looks.get() + 1);
+            Arc::from(cpus)
+        };
+        assert_eq!(&*seen.get(1, t, || look(&[1])), &[1]);
+        // Within the trust: what was found, however the routing moved meanwhile.
+        let later = t + TRUST - Duration::from_millis(1);
+        assert_eq!(&*seen.get(1, later, || look(&[0])), &[1]);
+        // Another device is looked up on its own.
+        assert_eq!(&*seen.get(2, later, || look(&[])), &[] as &[usize]);
+        assert_eq!(looks.get(), 2);
+        // A reading before the lookup (another thread's clock read) trusts it too.
+        assert_eq!(&*seen.get(1, t, || look(&[0])), &[1]);
+        assert_eq!(looks.get(), 2);
+        // At the end of the trust the routing is read again, and trusted from then.
+        assert_eq!(&*seen.get(1, t + TRUST, || look(&[0])), &[0]);
+        assert_eq!(&*seen.get(1, t + TRUST + TRUST / 2, || look(&[1])), &[0]);
+        assert_eq!(looks.get(), 3);
     }
 
     #[test]
