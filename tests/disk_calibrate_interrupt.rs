@@ -1,7 +1,8 @@
 #![cfg(feature = "rt")] // the tokio layers; the bucket alone is tested without them
 //! Calibration interrupted by Ctrl-C leaves no scratch file: a child process (this test binary,
 //! running the ignored `calibrating_child`) calibrates, the parent sends it `SIGINT` while its
-//! scratch file is open, and the directory is empty afterwards.
+//! scratch file is open (with no name, or under its scratch name where the file system has no
+//! `O_TMPFILE`), and the directory is empty afterwards.
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -28,14 +29,15 @@ fn calibrating_child() {
     calibrate(&dir, &options).expect("calibration runs until interrupted");
 }
 
-/// Whether process `pid` has a file of `dir`'s scratch name open.
-fn has_scratch_open(pid: u32) -> bool {
+/// Whether process `pid` has a file in `dir` open: the scratch file, with no name
+/// (`O_TMPFILE`: `dir/#inode (deleted)`) or under its scratch name.
+fn has_scratch_open(pid: u32, dir: &Path) -> bool {
     let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
         return false;
     };
     fds.flatten().any(|fd| {
         std::fs::read_link(fd.path())
-            .map(|target| target.to_string_lossy().contains(SCRATCH_PREFIX))
+            .map(|target| target.parent() == Some(dir))
             .unwrap_or(false)
     })
 }
@@ -60,9 +62,10 @@ fn calibration_interrupted_by_sigint_leaves_no_scratch_file() {
         .spawn()
         .unwrap();
     let pid = child.id();
+    let in_dir = dir.path().canonicalize().unwrap();
     // Wait until the child holds its scratch file open (a liveness bound, not a timing check).
     let mut waited = Duration::ZERO;
-    while !has_scratch_open(pid) {
+    while !has_scratch_open(pid, &in_dir) {
         if let Some(status) = child.try_wait().unwrap() {
             let mut err = String::new();
             std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();

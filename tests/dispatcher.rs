@@ -362,6 +362,12 @@ fn capped_mode_releases_every_completion() {
     d.shutdown();
 }
 
+/// Requests kept outstanding per feed in the real-thread share tests: 1024 4 KiB reads are
+/// over 170 ms of a class's work at its share (at most 5/6) of the slow disk below, so a client thread
+/// descheduled for less than that on a loaded machine leaves no class without a queue (a class
+/// with nothing queued cannot claim its share, and the others take it).
+const DEPTH: usize = 1024;
+
 /// Keeps `depth` requests outstanding per feed (shard, class, request); returns what was
 /// dispatched between the moments the first feed reaches `target / 4` and `target`
 /// completions (the first quarter is warm-up: the bucket starts full, and while it has tokens
@@ -446,7 +452,7 @@ fn real_threads_4_to_1_on_one_shard() {
     let lo = b.add_class(ClassConfig::new("lo", 200)).unwrap();
     let d = Arc::new(b.build().unwrap());
     let r = IoRequest::read(4096);
-    let t = tokens(&saturate(&d, &[(0, hi, r), (0, lo, r)], 256, 4000));
+    let t = tokens(&saturate(&d, &[(0, hi, r), (0, lo, r)], DEPTH, 4000));
     let ratio = t[0] as f64 / t[1] as f64;
     println!("real threads, one shard, 4:1 -> {ratio:.3}");
     assert!((ratio / 4.0 - 1.0).abs() <= 0.05, "ratio {ratio}");
@@ -459,7 +465,7 @@ fn real_threads_5_to_1_on_two_shards() {
     let lo = b.add_class(ClassConfig::new("lo", 100)).unwrap();
     let d = Arc::new(b.build().unwrap());
     let r = IoRequest::read(4096);
-    let t = tokens(&saturate(&d, &[(0, hi, r), (1, lo, r)], 256, 4000));
+    let t = tokens(&saturate(&d, &[(0, hi, r), (1, lo, r)], DEPTH, 4000));
     let ratio = t[0] as f64 / t[1] as f64;
     println!("real threads, two shards, 5:1 -> {ratio:.3}");
     assert!((ratio / 5.0 - 1.0).abs() <= 0.10, "ratio {ratio}");
@@ -476,7 +482,7 @@ fn real_threads_small_and_large_requests_get_half_the_tokens_each() {
             (0, c, IoRequest::read(4096)),
             (1, c, IoRequest::read(1 << 20)),
         ],
-        256,
+        DEPTH,
         4000,
     );
     let s0 = stats.shards[0].tokens() as f64;

@@ -8,7 +8,9 @@ use std::sync::Arc;
 use std::time::{Duration, UNIX_EPOCH};
 
 use common::pg::{cluster_or_skip, error_chain};
-use common::pg_session::{client, hold_row_lock, no_backend_waiting, t0, waiting_backend};
+use common::pg_session::{
+    client, hold_row_lock, no_backend_waiting, t0, waiting_backend, STUCK_AFTER,
+};
 use iothrottle::pg::{PgKeyedLimiter, PgOptions, PgWindowLimiter, Zone};
 use iothrottle::PgLimitError;
 
@@ -330,7 +332,7 @@ async fn a_stuck_call_times_out_and_the_next_one_reconnects() {
     };
     let opts = PgOptions::new()
         .with_connections(1)
-        .with_call_timeout(Some(Duration::from_millis(200)));
+        .with_call_timeout(Some(STUCK_AFTER));
     let l = PgKeyedLimiter::connect(&pg.connection_string(), opts)
         .await
         .unwrap();
@@ -339,7 +341,7 @@ async fn a_stuck_call_times_out_and_the_next_one_reconnects() {
     let blocker = hold_row_lock(&pg, "k").await;
     let err = l.request_n_at("k", 1, 100, 1, t0()).await.unwrap_err();
     assert!(
-        matches!(err, PgLimitError::TimedOut { after } if after == Duration::from_millis(200)),
+        matches!(err, PgLimitError::TimedOut { after } if after == STUCK_AFTER),
         "{err:?}"
     );
     // The limiter asked the server to cancel the stuck statement: it stops waiting.

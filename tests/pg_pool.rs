@@ -5,10 +5,8 @@
 
 mod common;
 
-use std::time::Duration;
-
 use common::pg::{cluster_or_skip, PgCluster};
-use common::pg_session::{hold_row_lock, t0};
+use common::pg_session::{hold_row_lock, t0, STUCK_AFTER};
 use deadpool_postgres::{Manager, Pool};
 use iothrottle::pg::{PgKeyedLimiter, PgOptions, PgWindowLimiter, Zone};
 use iothrottle::PgLimitError;
@@ -88,7 +86,7 @@ async fn a_timed_out_pooled_session_is_detached() {
     let p = pool(&pg, 4);
     let opts = PgOptions::new()
         .with_connections(1)
-        .with_call_timeout(Some(Duration::from_millis(200)));
+        .with_call_timeout(Some(STUCK_AFTER));
     let l = PgKeyedLimiter::from_pool(p.clone(), opts).await.unwrap();
     l.install().await.unwrap();
     l.request_n_at("k", 1, 100, 1, t0()).await.unwrap();

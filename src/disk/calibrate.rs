@@ -85,8 +85,9 @@ pub struct Calibration {
 /// of [`file_size`](CalibrateOptions::file_size) that is reserved (`fallocate`), written once
 /// in full (so that no figure measures the file system's unwritten extents: a write to one also
 /// rewrites the extent tree, a read of one returns zeros without reaching the disk), measured
-/// with time-based runs, and removed (unlinked as soon as it is open, so that not even
-/// Ctrl-C or `SIGKILL` leaves it behind); every phase that writes is flushed
+/// with time-based runs, and never left behind (a file with no name, `O_TMPFILE`, so that
+/// not even Ctrl-C or `SIGKILL` leaves it; on a file system without `O_TMPFILE`, unlinked as
+/// soon as it is open); every phase that writes is flushed
 /// (`fdatasync`, outside the figures) before the next one starts and before calibration returns,
 /// so that no figure starts with an earlier phase's writes unflushed. Each figure is a sustained
 /// one, as fio measures it: a ramp of up to one second is discarded (a virtio disk's host cache
@@ -123,16 +124,26 @@ pub fn calibrate_detailed(
         source,
     })?;
     let path = dir.join(format!(".iothrottle-calibrate-{}.tmp", std::process::id()));
-    let scratch = Scratch(path.clone());
-    let file = open_direct(&path, true, true)?;
-    // Unlinked at once: the open descriptor keeps the file, and the kernel frees its blocks
-    // when the descriptor closes, however the process ends (Ctrl-C, SIGKILL, a panic that
-    // aborts), not only when this function returns. The guard covers the moment before.
-    std::fs::remove_file(&path).map_err(|source| DiskError::Io {
-        op: "unlink the scratch file",
-        path: path.clone(),
-        source,
-    })?;
+    // A file with no name (`O_TMPFILE`): the kernel frees its blocks when the descriptor
+    // closes, however the process ends (Ctrl-C, SIGKILL, a panic that aborts), and there is
+    // no moment at which it has a name to leave behind.
+    let file = match open_unnamed(dir) {
+        Some(file) => file,
+        None => {
+            // A file system without `O_TMPFILE`: created under a name and unlinked at once.
+            // The guard removes it if this returns in between; only a kill in those few
+            // instructions leaves it.
+            let scratch = Scratch(path.clone());
+            let file = open_direct(&path, true, true)?;
+            std::fs::remove_file(&path).map_err(|source| DiskError::Io {
+                op: "unlink the scratch file",
+                path: path.clone(),
+                source,
+            })?;
+            drop(scratch);
+            file
+        }
+    };
     let fd = file.as_raw_fd();
     let io_err = |op: &'static str| {
         let path = path.clone();
@@ -211,7 +222,6 @@ pub fn calibrate_detailed(
         }
     }
     drop(file);
-    drop(scratch);
 
     let figure = |v: f64, phase: &'static str| {
         let v = v.round();
@@ -282,6 +292,19 @@ fn reserve(fd: i32, size: u64) -> io::Result<()> {
         return Err(io::Error::last_os_error());
     }
     Ok(())
+}
+
+/// An O_DIRECT file with no name in `dir` (`O_TMPFILE`), `None` where the file system or the
+/// kernel has none, or refuses it with O_DIRECT (the named way then reports why).
+fn open_unnamed(dir: &Path) -> Option<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .mode(0o600)
+        .custom_flags(libc::O_TMPFILE | libc::O_DIRECT | libc::O_CLOEXEC)
+        .open(dir)
+        .ok()
 }
 
 /// Removes the scratch file if calibration ends between creating and unlinking it.

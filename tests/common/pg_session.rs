@@ -21,6 +21,12 @@ pub async fn client(pg: &PgCluster) -> Client {
     c
 }
 
+/// The call timeout of the tests whose call is stuck on a row lock ([`hold_row_lock`]): the
+/// stuck call waits for ever, so any timeout shows that it ends. The call after it reconnects
+/// (a new backend, its start-up, TLS where asked, the statements prepared again) within the
+/// same timeout, which a loaded machine running other clusters' `initdb` must also fit.
+pub const STUCK_AFTER: Duration = Duration::from_secs(3);
+
 /// Holds the row lock of `id` in a transaction of a session of its own, until the returned
 /// client commits or rolls back.
 pub async fn hold_row_lock(pg: &PgCluster, id: &str) -> Client {
