@@ -92,6 +92,24 @@ impl DiskBusy {
     }
 }
 
+/// Clock ticks of all CPUs so far: `(stolen, all)`, where stolen is the time the hypervisor
+/// ran something else while a CPU wanted to run (`steal` in `/proc/stat`). `None` where there is
+/// no such file.
+pub(crate) fn cpu_ticks() -> Option<(u64, u64)> {
+    let s = std::fs::read_to_string("/proc/stat").ok()?;
+    // "cpu  user nice system idle iowait irq softirq steal guest guest_nice"; guest time is
+    // counted in user already.
+    let ticks: Vec<u64> = s
+        .lines()
+        .next()?
+        .split_whitespace()
+        .skip(1)
+        .take(8)
+        .map(|t| t.parse().ok())
+        .collect::<Option<_>>()?;
+    Some((*ticks.get(7)?, ticks.iter().sum()))
+}
+
 /// xorshift64.
 pub(crate) struct Rng(pub(crate) u64);
 

@@ -45,7 +45,9 @@
 //!    latency. The `lag p99` column (arrival to issue) shows what is left.
 //! 4. `--saturate` runs one spinning thread per core for the whole run.
 //!
-//! Per slice a row; per phase the pooled figures, the median over rounds and the worst round;
+//! Per slice a row, with the disk's utilisation (`util`) and the share of the CPUs' time the
+//! hypervisor ran something else while they wanted to run (`steal`, where it reports it); per
+//! phase the pooled figures, the median over rounds and the worst round;
 //! an SVG plot (bandwidth; latency on a log axis); one machine-readable `summary:` line.
 
 use std::fs::File;

@@ -14,7 +14,7 @@ use iothrottle::dispatcher::{ClassId, Dispatcher, DispatcherStats};
 use iothrottle::{DiskError, Throttle, Uncapped};
 
 use crate::args::Args;
-use crate::direct::{DiskBusy, Rng};
+use crate::direct::{cpu_ticks, DiskBusy, Rng};
 use crate::open_loop::Schedule;
 use crate::placement::Placement;
 use crate::report::{new_hist, print_row, record, Row};
@@ -300,6 +300,7 @@ pub(crate) async fn run_slice(
         None => None,
     };
     let busy0 = ctx.busy.busy_ms();
+    let ticks0 = cpu_ticks();
     // The drivers start a little after now, so that starting them is not on the clock.
     let t0 = Instant::now() + Duration::from_millis(2);
     let give_up = t0 + slice * 4;
@@ -338,6 +339,7 @@ pub(crate) async fn run_slice(
     stop.store(true, Ordering::Relaxed);
     let bg_bytes = rec.bg_bytes.load(Ordering::Relaxed);
     let busy1 = ctx.busy.busy_ms();
+    let ticks1 = cpu_ticks();
     for w in writers {
         w.await;
     }
@@ -358,6 +360,9 @@ pub(crate) async fn run_slice(
         bg_bytes,
         fg_queue_p99,
         busy_ms: busy1.zip(busy0).map(|(b, a)| b - a),
+        steal: ticks1
+            .zip(ticks0)
+            .map(|((s1, t1), (s0, t0))| (s1.saturating_sub(s0), t1.saturating_sub(t0))),
         fg_errors: rec.fg_errors.load(Ordering::Relaxed),
         fg_abandoned: rec.fg_abandoned.load(Ordering::Relaxed),
         bg_errors: rec.bg_errors.load(Ordering::Relaxed),

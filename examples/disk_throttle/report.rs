@@ -28,6 +28,8 @@ pub(crate) struct Row {
     /// Queue wait of the foreground in the dispatcher (dispatched phases).
     pub(crate) fg_queue_p99: Option<Duration>,
     pub(crate) busy_ms: Option<u64>,
+    /// CPU clock ticks stolen by the hypervisor, and all, over the slice.
+    pub(crate) steal: Option<(u64, u64)>,
     pub(crate) fg_errors: u64,
     pub(crate) fg_abandoned: u64,
     pub(crate) bg_errors: u64,
@@ -47,6 +49,7 @@ pub(crate) struct PhaseResult {
     pub(crate) elapsed: f64,
     pub(crate) bg_bytes: u64,
     pub(crate) busy_ms: Option<u64>,
+    pub(crate) steal: Option<(u64, u64)>,
     pub(crate) errors: (u64, u64, u64),
     pub(crate) rounds: Rounds,
 }
@@ -60,6 +63,7 @@ impl PhaseResult {
             elapsed: 0.0,
             bg_bytes: 0,
             busy_ms: Some(0),
+            steal: Some((0, 0)),
             errors: (0, 0, 0),
             rounds: Rounds::default(),
         }
@@ -71,6 +75,10 @@ impl PhaseResult {
         self.elapsed += r.elapsed;
         self.bg_bytes += r.bg_bytes;
         self.busy_ms = self.busy_ms.zip(r.busy_ms).map(|(a, b)| a + b);
+        self.steal = self
+            .steal
+            .zip(r.steal)
+            .map(|((s, t), (rs, rt))| (s + rs, t + rt));
         self.errors.0 += r.fg_errors;
         self.errors.1 += r.fg_abandoned;
         self.errors.2 += r.bg_errors;
@@ -84,6 +92,14 @@ impl PhaseResult {
     pub(crate) fn busy(&self) -> Option<f64> {
         self.busy_ms
             .map(|b| b as f64 / (self.elapsed.max(1e-9) * 1000.0))
+    }
+}
+
+/// Stolen ticks as a share of all, for the tables.
+fn fmt_steal(steal: Option<(u64, u64)>) -> String {
+    match steal {
+        Some((s, t)) if t > 0 => format!("{:.1}%", s as f64 * 100.0 / t as f64),
+        _ => "?".to_owned(),
     }
 }
 
@@ -107,14 +123,23 @@ pub(crate) fn fmt_d(d: Duration) -> String {
 
 pub(crate) fn print_header() {
     println!(
-        "{:<11} {:>3} | {:>7} {:>10} {:>10} {:>10} {:>12} | {:>8} | {:>5}",
-        "phase", "rnd", "fg IOPS", "fg p50", "fg p99", "lag p99", "qwait p99", "bg MB/s", "util"
+        "{:<11} {:>3} | {:>7} {:>10} {:>10} {:>10} {:>12} | {:>8} | {:>5} {:>6}",
+        "phase",
+        "rnd",
+        "fg IOPS",
+        "fg p50",
+        "fg p99",
+        "lag p99",
+        "qwait p99",
+        "bg MB/s",
+        "util",
+        "steal"
     );
 }
 
 pub(crate) fn print_row(r: &Row) {
     println!(
-        "{:<11} {:>3} | {:>7.0} {:>10} {:>10} {:>10} {:>12} | {:>8.1} | {:>5}",
+        "{:<11} {:>3} | {:>7.0} {:>10} {:>10} {:>10} {:>12} | {:>8.1} | {:>5} {:>6}",
         r.phase.name(),
         r.round,
         r.fg.len() as f64 / r.elapsed.max(1e-9),
@@ -127,6 +152,7 @@ pub(crate) fn print_row(r: &Row) {
             "{:.0}%",
             b as f64 / (r.elapsed.max(1e-9) * 10.0)
         )),
+        fmt_steal(r.steal),
     );
 }
 
@@ -134,7 +160,7 @@ pub(crate) fn print_row(r: &Row) {
 pub(crate) fn print_phases(results: &[PhaseResult], target_p99: Duration) {
     println!();
     println!(
-        "{:<11} | {:>9} {:>9} {:>9} | {:>9} {:>9} | {:>9} | {:>8} {:>8} {:>8} | {:>5}",
+        "{:<11} | {:>9} {:>9} {:>9} | {:>9} {:>9} | {:>9} | {:>8} {:>8} {:>8} | {:>5} {:>6}",
         "phase",
         "p50",
         "p99",
@@ -145,7 +171,8 @@ pub(crate) fn print_phases(results: &[PhaseResult], target_p99: Duration) {
         "bg MB/s",
         "med",
         "worst",
-        "util"
+        "util",
+        "steal"
     );
     println!(
         "{:<11} | {:>29} | {:>19} | {:>9} | {:>26} |",
@@ -153,7 +180,7 @@ pub(crate) fn print_phases(results: &[PhaseResult], target_p99: Duration) {
     );
     for r in results {
         println!(
-            "{:<11} | {:>9} {:>9} {:>9} | {:>9} {:>9} | {:>9} | {:>8.1} {:>8.1} {:>8.1} | {:>5}",
+            "{:<11} | {:>9} {:>9} {:>9} | {:>9} {:>9} | {:>9} | {:>8.1} {:>8.1} {:>8.1} | {:>5} {:>6}",
             r.phase.name(),
             fmt_d(q(&r.fg, 0.5)),
             fmt_d(q(&r.fg, 0.99)),
@@ -166,6 +193,7 @@ pub(crate) fn print_phases(results: &[PhaseResult], target_p99: Duration) {
             r.rounds.worst_bg(),
             r.busy()
                 .map_or("?".to_owned(), |b| format!("{:.0}%", b * 100.0)),
+            fmt_steal(r.steal),
         );
         let (fe, fa, be) = r.errors;
         if fe + fa + be > 0 {
