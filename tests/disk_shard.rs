@@ -120,19 +120,30 @@ fn a_shard_tasks_read_never_overtakes_pieces_waiting_for_tokens() {
             let write = tokio::task::spawn_local(async move {
                 g.write_at(AlignedBuf::zeroed(len).unwrap(), 0).await.0
             });
-            // The write submits its pieces when it first runs; the shard queues them.
-            while dd.stats().await.classes[0].queued < 32 {
+            // The write submits its pieces when it first runs; the shard queues those the
+            // tokens do not cover yet.
+            let ahead = loop {
+                // Dispatched and waiting: every piece is in once they make 64.
+                let c = &dd.stats().await.classes[0];
+                if c.requests + c.queued >= 64 {
+                    break c.queued;
+                }
                 tokio::task::yield_now().await;
-            }
+            };
             let (n, _) = f.read_at(AlignedBuf::zeroed(ALIGN).unwrap(), 0).await;
             assert_eq!(n.unwrap(), ALIGN);
             let left = dd.stats().await.classes[0].queued;
             write.await.unwrap().unwrap();
-            left
+            (ahead, left)
         })
         .unwrap();
-    let left = in_time(&rt, task).unwrap();
-    assert_eq!(left, 0, "the read overtook {left} pieces queued before it");
+    let (ahead, left) = in_time(&rt, task).unwrap();
+    // Only a shard descheduled for most of those 14 ms leaves none queued.
+    assert!(ahead > 0, "no piece was still waiting when the read came");
+    assert_eq!(
+        left, 0,
+        "the read overtook {left} of the {ahead} pieces queued before it"
+    );
     let c = &rt.block_on(d.stats()).classes[0];
     assert_eq!((c.requests, c.completed), (65, 65));
     d.shutdown();
