@@ -383,7 +383,7 @@ impl ThrottledFile {
             Some(here) => self.pieces(here, t, &shared).await,
             None if self.dispatcher.is_background(class) => self.hand_over(t, &shared).await,
             None => {
-                let shard = self.dispatcher.pick_shard();
+                let shard = self.dispatcher.next_shard();
                 self.pieces(shard, t, &shared).await
             }
         };

@@ -581,24 +581,29 @@ impl Dispatcher {
         self.shared.too_large(request, cost)
     }
 
-    /// One of `shards` in turn (any shard when `shards` is empty).
+    /// One of `shards` in turn (the next of all shards when `shards` is empty).
     pub(crate) fn pick_among(&self, shards: &[usize]) -> usize {
-        if shards.is_empty() {
-            return self.pick_shard();
+        match shards.len() {
+            0 => self.next_shard(),
+            n => shards[self.turn(n)],
         }
-        // Relaxed: a lone counter; any interleaving spreads the requests.
-        let n = self.next.fetch_add(1, Ordering::Relaxed);
-        shards[(n % shards.len() as u64) as usize]
     }
 
     /// The shard a request submitted now goes to: the calling shard, else the next in turn.
     pub(crate) fn pick_shard(&self) -> usize {
-        if let Some(s) = self.current_shard() {
-            return s;
-        }
+        self.current_shard().unwrap_or_else(|| self.next_shard())
+    }
+
+    /// The next shard in turn, for a caller that knows it is not on one.
+    pub(crate) fn next_shard(&self) -> usize {
+        self.turn(self.senders.len())
+    }
+
+    /// The next of `n > 0` choices in turn, shared by every caller.
+    fn turn(&self, n: usize) -> usize {
         // Relaxed: a lone counter; any interleaving spreads the requests.
-        let n = self.next.fetch_add(1, Ordering::Relaxed);
-        (n % self.senders.len() as u64) as usize
+        let k = self.next.fetch_add(1, Ordering::Relaxed);
+        (k % n as u64) as usize
     }
 
     fn send(
