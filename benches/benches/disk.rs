@@ -28,7 +28,7 @@
 //!   dispatcher's one shard thread (the dispatcher is built with
 //!   `caller_dispatch(false)`), which submits it to its ring, reaps the completion on its
 //!   reactor and wakes the caller's task. Two threads: the caller's and the shard's, with the
-//!   shard's default [idle poll] (it polls for 200 µs after its last activity instead of
+//!   shard's default [idle poll] (it polls for 1 ms after its last activity instead of
 //!   parking).
 //! - `throttled_file_mt_caller`: the same reads, their tasks (and the loop that starts them)
 //!   on a multi-thread runtime with one worker. tokio's current-thread scheduler unparks its

@@ -62,6 +62,10 @@ pub struct Args {
     /// (`ClassConfig::with_latency_target`). Default: 1.5 × the first round's idle p99.
     #[arg(long)]
     pub target_us: Option<u64>,
+    /// The shards' idle poll, microseconds (`DispatcherBuilder::idle_poll`; 0 turns it off).
+    /// Default: the builder's (`DispatcherBuilder::DEFAULT_IDLE_POLL`).
+    #[arg(long)]
+    pub idle_poll_us: Option<u64>,
     /// Uncapped dispatcher (the goal only sizes the burst).
     #[arg(long)]
     pub uncapped: bool,

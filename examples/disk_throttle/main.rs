@@ -208,6 +208,9 @@ fn dispatcher(
     if let Some(s) = args.shards {
         b = b.shards(s);
     }
+    if let Some(us) = args.idle_poll_us {
+        b = b.idle_poll(Duration::from_micros(us));
+    }
     let mut fg = ClassConfig::new("foreground", args.shares.0);
     if let Some(t) = target {
         fg = fg.with_latency_target(t);

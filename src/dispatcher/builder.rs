@@ -273,8 +273,13 @@ impl DispatcherBuilder {
         self
     }
 
-    /// The default [idle poll](Self::idle_poll): 200 µs, as Seastar's `--idle-poll-time-us`.
-    pub const DEFAULT_IDLE_POLL: Duration = Duration::from_micros(200);
+    /// The default [idle poll](Self::idle_poll): 1 ms, five times Seastar's
+    /// `--idle-poll-time-us`. On a VM a core left idle halts, and the next interrupt (a
+    /// completion, a timer, a request from another thread) waits for the hypervisor to run it
+    /// again. A shard that serves a request at least every millisecond, or whose I/O completes
+    /// within one, keeps polling between them while its core is its own and at most one
+    /// operation is in flight (docs/dispatcher.md, "Idle poll").
+    pub const DEFAULT_IDLE_POLL: Duration = Duration::from_millis(1);
 
     /// How long a shard with nothing queued keeps polling (its channel, its runtime's I/O
     /// driver and timers, so its io_uring completions too) after its last activity — a request
@@ -289,7 +294,7 @@ impl DispatcherBuilder {
     /// one request at a time keeps its core busy, and an idle shard stops polling within this
     /// time of its last activity (a quiet dispatcher uses no CPU). A polling round in which the
     /// OS preempted the thread and it was off its CPU for over 50 µs means another thread
-    /// wants the core: the shard then parks at once whenever idle for the next 10 ms, so
+    /// wants the core: the shard then parks at once whenever idle for the next second, so
     /// polling does not compete with the application's threads. The bound is wall-clock time
     /// (`Instant`), not the dispatcher's [`clock`](Self::clock), counted from the polling round
     /// that first sees the activity (activity is counted, not timed, so that a request costs

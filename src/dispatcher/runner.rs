@@ -224,9 +224,12 @@ fn run_hook(hook: &StartHook, index: usize) -> std::io::Result<()> {
 /// wanted by another thread. Blocking in a system call (a submission waiting for the device)
 /// is a voluntary switch and does not count; a kernel worker's short run does not either.
 const PREEMPTED: Duration = Duration::from_micros(50);
-/// After a descheduled round, the shard parks at once when idle for this long (polling a
-/// contended core costs the other threads CPU and the shard its wake-up priority).
-const CONTENDED_BACKOFF: Duration = Duration::from_millis(10);
+/// After a descheduled round, the shard parks at once when idle for this long. Polling a
+/// contended core costs the other threads CPU, and the shard its wake-up priority: a poller
+/// preempted with a read in flight waits as a runnable thread for the other's time slice to
+/// end, where a parked one is woken by the completion and may preempt it. A second is long
+/// enough that on a core kept busy the shard polls, and is preempted, once a second at most.
+const CONTENDED_BACKOFF: Duration = Duration::from_secs(1);
 
 /// A shard polls only while its ring runs at most this deep: this many io_uring operations in
 /// flight, and no more in the last batch of completions it reaped. With more, each wake-up
