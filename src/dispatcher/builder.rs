@@ -294,8 +294,10 @@ impl DispatcherBuilder {
     /// one request at a time keeps its core busy, and an idle shard stops polling within this
     /// time of its last activity (a quiet dispatcher uses no CPU). A polling round in which the
     /// OS preempted the thread and it was off its CPU for over 50 µs means another thread
-    /// wants the core: the shard then parks at once whenever idle for the next second, so
-    /// polling does not compete with the application's threads. The bound is wall-clock time
+    /// wants the core: the shard then parks at once whenever idle for a back-off of 10 ms,
+    /// doubled with each such round in a row up to a second and started again at 10 ms after
+    /// a poll that runs its whole time undisturbed, so polling does not compete with the
+    /// application's threads. The bound is wall-clock time
     /// (`Instant`), not the dispatcher's [`clock`](Self::clock), counted from the polling round
     /// that first sees the activity (activity is counted, not timed, so that a request costs
     /// the shard no clock read for it: the last activity is dated up to one round late).

@@ -224,11 +224,16 @@ fn run_hook(hook: &StartHook, index: usize) -> std::io::Result<()> {
 /// wanted by another thread. Blocking in a system call (a submission waiting for the device)
 /// is a voluntary switch and does not count; a kernel worker's short run does not either.
 const PREEMPTED: Duration = Duration::from_micros(50);
-/// After a descheduled round, the shard parks at once when idle for this long. Polling a
-/// contended core costs the other threads CPU, and the shard its wake-up priority: a poller
-/// preempted with a read in flight waits as a runnable thread for the other's time slice to
-/// end, where a parked one is woken by the completion and may preempt it. A second is long
-/// enough that on a core kept busy the shard polls, and is preempted, once a second at most.
+/// After a descheduled round, the shard parks at once when idle for a back-off: this long
+/// after the first, twice the last after each further one, up to [`CONTENDED_BACKOFF`]; a poll
+/// that then runs its whole time undisturbed starts the next back-off here again.
+const CONTENDED_BACKOFF_MIN: Duration = Duration::from_millis(10);
+/// The longest back-off. Polling a contended core costs the other threads CPU, and the shard
+/// its wake-up priority: a poller preempted with a read in flight waits as a runnable thread
+/// for the other's time slice to end, where a parked one is woken by the completion and may
+/// preempt it. On a core kept busy the back-off reaches a second within seven preemptions,
+/// and the shard then polls, and is preempted, once a second at most; on a core disturbed
+/// now and then it polls again after 10 ms.
 const CONTENDED_BACKOFF: Duration = Duration::from_secs(1);
 
 /// A shard polls only while its ring runs at most this deep: this many io_uring operations in
@@ -266,6 +271,8 @@ struct IdlePoll {
     preempted: Duration,
     /// No polling before this (the core was found contended).
     backoff_until: Option<Instant>,
+    /// The next back-off's length ([`CONTENDED_BACKOFF_MIN`] to [`CONTENDED_BACKOFF`]).
+    backoff: Duration,
     /// The activity count last seen, and when it was first seen (the last activity's time, to
     /// within one round).
     seen: Option<(u64, Instant)>,
@@ -276,8 +283,8 @@ impl IdlePoll {
     /// lets the runtime poll its I/O driver without blocking and run what that woke (the
     /// io_uring reaper, the requests' futures), then checks the channel. Returns `true` when a
     /// message is waiting, `false` when the shard should park: the time is up, polling is off,
-    /// or the thread was descheduled while polling (then it does not poll for
-    /// [`CONTENDED_BACKOFF`]; see [`PREEMPTED`]), or the ring runs deeper than
+    /// or the thread was descheduled while polling (then it does not poll for a back-off;
+    /// see [`CONTENDED_BACKOFF_MIN`] and [`PREEMPTED`]), or the ring runs deeper than
     /// [`POLL_MAX_IN_FLIGHT`].
     /// `reap` is called each round: it submits what is queued on the shard's ring, hands the
     /// completions already posted to their futures (when the ring runs at most
@@ -316,9 +323,11 @@ impl IdlePoll {
                 return true;
             }
             // io_uring completions already posted reach their futures now; they run below.
-            if last.saturating_duration_since(active_at(last)) >= self.time
-                || reap() > POLL_MAX_IN_FLIGHT
-            {
+            if last.saturating_duration_since(active_at(last)) >= self.time {
+                self.undisturbed();
+                return false;
+            }
+            if reap() > POLL_MAX_IN_FLIGHT {
                 return false;
             }
             let (before_cpu, before_switches) = *last_cpu.get_or_insert_with(thread_usage);
@@ -327,11 +336,24 @@ impl IdlePoll {
             let (now, (cpu, switches)) = (Instant::now(), thread_usage());
             let off_cpu = (now - last).saturating_sub(cpu.saturating_sub(before_cpu));
             if off_cpu > self.preempted && switches > before_switches {
-                self.backoff_until = Some(now + CONTENDED_BACKOFF);
+                self.contended(now);
                 return !rx.is_empty();
             }
             (last, last_cpu) = (now, Some((cpu, switches)));
         }
+    }
+
+    /// The thread was descheduled while polling at `now`: no polling for the current back-off,
+    /// and the next one twice as long (up to [`CONTENDED_BACKOFF`]).
+    fn contended(&mut self, now: Instant) {
+        self.backoff_until = Some(now + self.backoff);
+        self.backoff = (self.backoff * 2).min(CONTENDED_BACKOFF);
+    }
+
+    /// A poll ran its whole time without being descheduled: the core is free again, and the
+    /// next back-off starts from [`CONTENDED_BACKOFF_MIN`].
+    fn undisturbed(&mut self) {
+        self.backoff = CONTENDED_BACKOFF_MIN;
     }
 }
 
@@ -369,6 +391,7 @@ async fn run(
         time: shared.idle_poll,
         preempted: PREEMPTED,
         backoff_until: None,
+        backoff: CONTENDED_BACKOFF_MIN,
         seen: None,
     };
     // Made here, on the shard's runtime (its reactor registers the fd).
@@ -672,6 +695,7 @@ mod tests {
             time,
             preempted: Duration::MAX,
             backoff_until: None,
+            backoff: CONTENDED_BACKOFF_MIN,
             seen: None,
         }
     }
@@ -855,7 +879,12 @@ mod tests {
                 let before = Instant::now();
                 assert!(!poll.poll(&rx, &activity, || 0).await);
                 let until = poll.backoff_until.expect("backing off");
-                assert!(until >= before + CONTENDED_BACKOFF);
+                assert!(until >= before + CONTENDED_BACKOFF_MIN);
+                assert_eq!(
+                    poll.backoff,
+                    2 * CONTENDED_BACKOFF_MIN,
+                    "the next one is longer"
+                );
                 // While backing off it parks at once, though its poll time is far from up.
                 poll.backoff_until = Some(Instant::now() + Duration::from_secs(3600));
                 activity.touch();
@@ -871,5 +900,40 @@ mod tests {
         if pinned.unwrap().is_none() {
             eprintln!("cannot pin threads: skipped");
         }
+    }
+
+    /// Each preemption in a row doubles the back-off up to a second; a poll that runs its
+    /// whole time undisturbed starts it again from the shortest.
+    #[test]
+    fn the_back_off_doubles_while_preempted_and_restarts_after_an_undisturbed_poll() {
+        let mut poll = uncontended(Duration::from_millis(1));
+        let now = Instant::now();
+        let mut lengths = Vec::new();
+        for _ in 0..10 {
+            poll.contended(now);
+            lengths.push(poll.backoff_until.expect("backing off") - now);
+        }
+        let ms = |n: u64| Duration::from_millis(n);
+        assert_eq!(
+            lengths,
+            [10, 20, 40, 80, 160, 320, 640, 1000, 1000, 1000].map(ms),
+            "doubling from the shortest, capped at the longest"
+        );
+        poll.undisturbed();
+        poll.contended(now);
+        assert_eq!(poll.backoff_until, Some(now + CONTENDED_BACKOFF_MIN));
+    }
+
+    /// A poll that runs out its time, with nothing else happening, counts as undisturbed.
+    #[test]
+    fn a_poll_that_runs_out_its_time_resets_the_back_off() {
+        on_local(async {
+            let (_tx, rx) = tokio::sync::mpsc::unbounded_channel::<Msg>();
+            let activity = Activity::default();
+            let mut poll = uncontended(Duration::from_micros(200));
+            poll.backoff = CONTENDED_BACKOFF;
+            assert!(!poll.poll(&rx, &activity, || 0).await);
+            assert_eq!(poll.backoff, CONTENDED_BACKOFF_MIN);
+        });
     }
 }
