@@ -304,6 +304,7 @@ impl IdlePoll {
         if self.backoff_until.is_some_and(|t| last < t) {
             return false;
         }
+        let started = last;
         // Dates the last activity: the first round that sees the count move.
         let mut active_at = |now: Instant| -> Instant {
             let count = activity.count();
@@ -324,7 +325,10 @@ impl IdlePoll {
             }
             // io_uring completions already posted reach their futures now; they run below.
             if last.saturating_duration_since(active_at(last)) >= self.time {
-                self.undisturbed();
+                // Polled its whole time, never descheduled: the core is free.
+                if last.saturating_duration_since(started) >= self.time {
+                    self.undisturbed();
+                }
                 return false;
             }
             if reap() > POLL_MAX_IN_FLIGHT {
@@ -350,8 +354,10 @@ impl IdlePoll {
         self.backoff = (self.backoff * 2).min(CONTENDED_BACKOFF);
     }
 
-    /// A poll ran its whole time without being descheduled: the core is free again, and the
-    /// next back-off starts from [`CONTENDED_BACKOFF_MIN`].
+    /// A poll ran its whole time (the idle-poll time, in one call) without being descheduled:
+    /// the core is free again, and the next back-off starts from [`CONTENDED_BACKOFF_MIN`]. A
+    /// poll that ends at once because the last activity is already that long ago says nothing
+    /// of the core and leaves the back-off as it is.
     fn undisturbed(&mut self) {
         self.backoff = CONTENDED_BACKOFF_MIN;
     }
@@ -934,6 +940,23 @@ mod tests {
             poll.backoff = CONTENDED_BACKOFF;
             assert!(!poll.poll(&rx, &activity, || 0).await);
             assert_eq!(poll.backoff, CONTENDED_BACKOFF_MIN);
+        });
+    }
+
+    /// A poll that ends at once, its last activity already past the poll time, has not polled:
+    /// it leaves the back-off as it is.
+    #[test]
+    fn a_poll_that_ends_at_once_leaves_the_back_off() {
+        on_local(async {
+            let (_tx, rx) = tokio::sync::mpsc::unbounded_channel::<Msg>();
+            let activity = Activity::default();
+            let time = Duration::from_micros(200);
+            let mut poll = uncontended(time);
+            poll.backoff = CONTENDED_BACKOFF;
+            // The last activity, dated well before the poll time.
+            poll.seen = Some((activity.count(), Instant::now() - 10 * time));
+            assert!(!poll.poll(&rx, &activity, || 0).await);
+            assert_eq!(poll.backoff, CONTENDED_BACKOFF, "kept");
         });
     }
 }
