@@ -231,7 +231,7 @@ const CONTENDED_BACKOFF_MIN: Duration = Duration::from_millis(10);
 /// The longest back-off. Polling a contended core costs the other threads CPU, and the shard
 /// its wake-up priority: a poller preempted with a read in flight waits as a runnable thread
 /// for the other's time slice to end, where a parked one is woken by the completion and may
-/// preempt it. On a core kept busy the back-off reaches a second within seven preemptions,
+/// preempt it. On a core kept busy the back-off is a second from the eighth preemption in a row,
 /// and the shard then polls, and is preempted, once a second at most; on a core disturbed
 /// now and then it polls again after 10 ms.
 const CONTENDED_BACKOFF: Duration = Duration::from_secs(1);
@@ -930,33 +930,34 @@ mod tests {
         assert_eq!(poll.backoff_until, Some(now + CONTENDED_BACKOFF_MIN));
     }
 
-    /// A poll that runs out its time, with nothing else happening, counts as undisturbed.
-    #[test]
-    fn a_poll_that_runs_out_its_time_resets_the_back_off() {
+    /// Runs one uncontended poll of 200 µs with nothing to do, starting from the longest
+    /// back-off and `seen` as given; returns the back-off it leaves.
+    fn back_off_after_a_poll(seen_ago: Option<Duration>) -> Duration {
+        let mut left = Duration::ZERO;
         on_local(async {
             let (_tx, rx) = tokio::sync::mpsc::unbounded_channel::<Msg>();
             let activity = Activity::default();
             let mut poll = uncontended(Duration::from_micros(200));
             poll.backoff = CONTENDED_BACKOFF;
+            poll.seen = seen_ago.map(|ago| (activity.count(), Instant::now() - ago));
             assert!(!poll.poll(&rx, &activity, || 0).await);
-            assert_eq!(poll.backoff, CONTENDED_BACKOFF_MIN);
+            left = poll.backoff;
         });
+        left
+    }
+
+    /// A poll that runs out its time, with nothing else happening, counts as undisturbed.
+    #[test]
+    fn a_poll_that_runs_out_its_time_resets_the_back_off() {
+        assert_eq!(back_off_after_a_poll(None), CONTENDED_BACKOFF_MIN);
     }
 
     /// A poll that ends at once, its last activity already past the poll time, has not polled:
     /// it leaves the back-off as it is.
     #[test]
     fn a_poll_that_ends_at_once_leaves_the_back_off() {
-        on_local(async {
-            let (_tx, rx) = tokio::sync::mpsc::unbounded_channel::<Msg>();
-            let activity = Activity::default();
-            let time = Duration::from_micros(200);
-            let mut poll = uncontended(time);
-            poll.backoff = CONTENDED_BACKOFF;
-            // The last activity, dated well before the poll time.
-            poll.seen = Some((activity.count(), Instant::now() - 10 * time));
-            assert!(!poll.poll(&rx, &activity, || 0).await);
-            assert_eq!(poll.backoff, CONTENDED_BACKOFF, "kept");
-        });
+        // The last activity, dated ten poll times before the poll.
+        let ago = Some(Duration::from_millis(2));
+        assert_eq!(back_off_after_a_poll(ago), CONTENDED_BACKOFF, "kept");
     }
 }
