@@ -482,7 +482,7 @@ where
     total
 }
 
-/// The explicit real-time test: 4 workers on one id at 2 tokens/s for 10 s get the
+/// In real time, as clients see it: 4 workers on one id at 2 tokens/s for 10 s get the
 /// initial 120 plus 20 refilled (±2); the classic function gets only its initial burst.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refill_under_steady_load_4_workers_10s() {

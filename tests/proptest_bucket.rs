@@ -161,7 +161,7 @@ fn step() -> impl Strategy<Value = u64> {
     ]
 }
 
-/// Rates the issue names (7 per 3 s, 10^12/s, 1 per hour) and random valid ones.
+/// The extreme rates (7 per 3 s, 10^12/s, 1 per hour) and random valid ones.
 fn rate() -> impl Strategy<Value = Rate> {
     prop_oneof![
         Just(Rate::new(7, Duration::from_secs(3))),

@@ -53,9 +53,8 @@
 //!   read by a task on the benchmark thread's runtime through a channel, submitting every
 //!   request waiting with one system call and answering through a oneshot. It pays the same
 //!   hop to another thread and back as `throttled_file`, without a dispatcher, and it never
-//!   yields its core. (Before the cases issued one task per read, a one-read-at-a-time version
-//!   was called the floor; it measured 1.13–1.19× at depth 1. Spinning on a 2-core machine is
-//!   no floor: it takes the core the caller's thread and the kernel's completions need.)
+//!   yields its core. It is no floor: on a 2-core machine the spinning takes the core the
+//!   caller's thread and the kernel's completions need.
 //! - `throttled_file_on_shard`: the reads are issued from tasks running *on* the shard
 //!   (thread-per-core use: the engine's code runs on the shards), so only the completion is a
 //!   hop, inside the shard.

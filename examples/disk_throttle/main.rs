@@ -45,8 +45,10 @@
 //!    latency. The `lag p99` column (arrival to issue) shows what is left.
 //! 4. `--saturate` runs one spinning thread per core for the whole run.
 //!
-//! Per slice a row, with the disk's utilisation (`util`) and the share of the CPUs' time the
-//! hypervisor ran something else while they wanted to run (`steal`, where it reports it); per
+//! Per slice a row, with the disk's utilisation (`util`), the share of the CPUs' time the
+//! hypervisor ran something else while they wanted to run (`steal`, where it reports it) and,
+//! for the dispatcher's phases, how often a shard found its core wanted by another thread while
+//! it idle-polled and backed off (`b/o`, `ShardStats::idle_poll_backoffs`); per
 //! phase the pooled figures, the median over rounds and the worst round;
 //! an SVG plot (bandwidth; latency on a log axis); one machine-readable `summary:` line.
 

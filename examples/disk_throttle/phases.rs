@@ -343,12 +343,16 @@ pub(crate) async fn run_slice(
     for w in writers {
         w.await;
     }
-    let fg_queue_p99 = match (&dispatcher, &stats0) {
+    let (fg_queue_p99, backoffs) = match (&dispatcher, &stats0) {
         (Some((d, fg)), Some(s0)) => {
             let s: DispatcherStats = d.stats().await;
-            Some(s.since(s0).classes[fg.index()].queue_wait_p99())
+            let slice = s.since(s0);
+            (
+                Some(slice.classes[fg.index()].queue_wait_p99()),
+                Some(slice.idle_poll_backoffs()),
+            )
         }
-        _ => None,
+        _ => (None, None),
     };
     let (fg, lag) = rec.fg.lock().map_err(|_| "poisoned")?.clone();
     let row = Row {
@@ -359,6 +363,7 @@ pub(crate) async fn run_slice(
         elapsed: end.saturating_duration_since(t0).as_secs_f64(),
         bg_bytes,
         fg_queue_p99,
+        backoffs,
         busy_ms: busy1.zip(busy0).map(|(b, a)| b - a),
         steal: ticks1
             .zip(ticks0)

@@ -27,6 +27,9 @@ pub(crate) struct Row {
     pub(crate) bg_bytes: u64,
     /// Queue wait of the foreground in the dispatcher (dispatched phases).
     pub(crate) fg_queue_p99: Option<Duration>,
+    /// The shards' idle-poll back-offs (dispatched phases): times a shard found its core
+    /// wanted by another thread.
+    pub(crate) backoffs: Option<u64>,
     pub(crate) busy_ms: Option<u64>,
     /// CPU clock ticks stolen by the hypervisor, and all, over the slice.
     pub(crate) steal: Option<(u64, u64)>,
@@ -48,6 +51,7 @@ pub(crate) struct PhaseResult {
     pub(crate) lag: Histogram<u64>,
     pub(crate) elapsed: f64,
     pub(crate) bg_bytes: u64,
+    pub(crate) backoffs: Option<u64>,
     pub(crate) busy_ms: Option<u64>,
     pub(crate) steal: Option<(u64, u64)>,
     pub(crate) errors: (u64, u64, u64),
@@ -62,6 +66,7 @@ impl PhaseResult {
             lag: new_hist(),
             elapsed: 0.0,
             bg_bytes: 0,
+            backoffs: None,
             busy_ms: Some(0),
             steal: Some((0, 0)),
             errors: (0, 0, 0),
@@ -74,6 +79,9 @@ impl PhaseResult {
         self.lag.add(&r.lag).expect("same bounds");
         self.elapsed += r.elapsed;
         self.bg_bytes += r.bg_bytes;
+        if let Some(b) = r.backoffs {
+            self.backoffs = Some(self.backoffs.unwrap_or(0) + b);
+        }
         self.busy_ms = self.busy_ms.zip(r.busy_ms).map(|(a, b)| a + b);
         self.steal = self
             .steal
@@ -103,6 +111,11 @@ fn fmt_steal(steal: Option<(u64, u64)>) -> String {
     }
 }
 
+/// Idle-poll back-offs, for the tables; "–" where no dispatcher ran.
+fn fmt_backoffs(backoffs: Option<u64>) -> String {
+    backoffs.map_or("–".to_owned(), |b| b.to_string())
+}
+
 pub(crate) fn q(h: &Histogram<u64>, q: f64) -> Duration {
     if h.is_empty() {
         Duration::ZERO
@@ -123,7 +136,7 @@ pub(crate) fn fmt_d(d: Duration) -> String {
 
 pub(crate) fn print_header() {
     println!(
-        "{:<11} {:>3} | {:>7} {:>10} {:>10} {:>10} {:>12} | {:>8} | {:>5} {:>6}",
+        "{:<11} {:>3} | {:>7} {:>10} {:>10} {:>10} {:>12} | {:>8} | {:>5} {:>6} | {:>5}",
         "phase",
         "rnd",
         "fg IOPS",
@@ -133,13 +146,14 @@ pub(crate) fn print_header() {
         "qwait p99",
         "bg MB/s",
         "util",
-        "steal"
+        "steal",
+        "b/o"
     );
 }
 
 pub(crate) fn print_row(r: &Row) {
     println!(
-        "{:<11} {:>3} | {:>7.0} {:>10} {:>10} {:>10} {:>12} | {:>8.1} | {:>5} {:>6}",
+        "{:<11} {:>3} | {:>7.0} {:>10} {:>10} {:>10} {:>12} | {:>8.1} | {:>5} {:>6} | {:>5}",
         r.phase.name(),
         r.round,
         r.fg.len() as f64 / r.elapsed.max(1e-9),
@@ -153,6 +167,7 @@ pub(crate) fn print_row(r: &Row) {
             b as f64 / (r.elapsed.max(1e-9) * 10.0)
         )),
         fmt_steal(r.steal),
+        fmt_backoffs(r.backoffs),
     );
 }
 
@@ -160,7 +175,7 @@ pub(crate) fn print_row(r: &Row) {
 pub(crate) fn print_phases(results: &[PhaseResult], target_p99: Duration) {
     println!();
     println!(
-        "{:<11} | {:>9} {:>9} {:>9} | {:>9} {:>9} | {:>9} | {:>8} {:>8} {:>8} | {:>5} {:>6}",
+        "{:<11} | {:>9} {:>9} {:>9} | {:>9} {:>9} | {:>9} | {:>8} {:>8} {:>8} | {:>5} {:>6} | {:>5}",
         "phase",
         "p50",
         "p99",
@@ -172,7 +187,8 @@ pub(crate) fn print_phases(results: &[PhaseResult], target_p99: Duration) {
         "med",
         "worst",
         "util",
-        "steal"
+        "steal",
+        "b/o"
     );
     println!(
         "{:<11} | {:>29} | {:>19} | {:>9} | {:>26} |",
@@ -180,7 +196,7 @@ pub(crate) fn print_phases(results: &[PhaseResult], target_p99: Duration) {
     );
     for r in results {
         println!(
-            "{:<11} | {:>9} {:>9} {:>9} | {:>9} {:>9} | {:>9} | {:>8.1} {:>8.1} {:>8.1} | {:>5} {:>6}",
+            "{:<11} | {:>9} {:>9} {:>9} | {:>9} {:>9} | {:>9} | {:>8.1} {:>8.1} {:>8.1} | {:>5} {:>6} | {:>5}",
             r.phase.name(),
             fmt_d(q(&r.fg, 0.5)),
             fmt_d(q(&r.fg, 0.99)),
@@ -194,6 +210,7 @@ pub(crate) fn print_phases(results: &[PhaseResult], target_p99: Duration) {
             r.busy()
                 .map_or("?".to_owned(), |b| format!("{:.0}%", b * 100.0)),
             fmt_steal(r.steal),
+            fmt_backoffs(r.backoffs),
         );
         let (fe, fa, be) = r.errors;
         if fe + fa + be > 0 {

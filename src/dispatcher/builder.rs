@@ -292,12 +292,15 @@ impl DispatcherBuilder {
     /// several completions, and polling would take the CPU the submitting threads need. The
     /// cost is CPU: a shard serving
     /// one request at a time keeps its core busy, and an idle shard stops polling within this
-    /// time of its last activity (a quiet dispatcher uses no CPU). A polling round in which the
-    /// OS preempted the thread and it was off its CPU for over 50 µs means another thread
-    /// wants the core: the shard then parks at once whenever idle for a back-off of 10 ms,
-    /// doubled with each such round in a row up to a second and started again at 10 ms after
-    /// a poll that runs its whole time undisturbed, so polling does not compete with the
-    /// application's threads. The bound is wall-clock time
+    /// time of its last activity (a quiet dispatcher uses no CPU). When the polling rounds in
+    /// which the OS preempted the thread (off its CPU for over 50 µs) lost over 1/16 of the
+    /// time polled since the last back-off, another thread wants the core: the shard then parks
+    /// at once whenever idle for a back-off of 10 ms, doubled each further time up to a second
+    /// and started again at 10 ms after a poll that runs its whole time, or 100 ms of polling,
+    /// without finding the core contended, so polling does not compete with the application's
+    /// threads; a kernel worker's occasional run does not count as contention
+    /// ([`ShardStats::idle_poll_backoffs`](super::ShardStats::idle_poll_backoffs) counts the
+    /// back-offs). The bound is wall-clock time
     /// (`Instant`), not the dispatcher's [`clock`](Self::clock), counted from the polling round
     /// that first sees the activity (activity is counted, not timed, so that a request costs
     /// the shard no clock read for it: the last activity is dated up to one round late).

@@ -220,20 +220,34 @@ fn run_hook(hook: &StartHook, index: usize) -> std::io::Result<()> {
 }
 
 /// A polling round in which the thread was preempted (an involuntary context switch) and off
-/// its CPU for longer than this (wall-clock time minus the thread's CPU time) means its core is
-/// wanted by another thread. Blocking in a system call (a submission waiting for the device)
-/// is a voluntary switch and does not count; a kernel worker's short run does not either.
+/// its CPU for longer than this (wall-clock time minus the thread's CPU time) lost that time to
+/// another thread. Blocking in a system call (a submission waiting for the device) is a
+/// voluntary switch and does not count; a kernel worker's short run does not either.
 const PREEMPTED: Duration = Duration::from_micros(50);
-/// After a descheduled round, the shard parks at once when idle for a back-off: this long
-/// after the first, twice the last after each further one, up to [`CONTENDED_BACKOFF`]; a poll
-/// that then runs its whole time undisturbed starts the next back-off here again.
+/// The core is contended when preempted rounds lost more than this share (1/16) of the time
+/// polled since the last back-off (over [`SHARE_WINDOW`]). On a core shared with a thread that
+/// wants it all, a poll loses 10–40% of its time (preemptions of 50–150 µs every 0.2–1.5 ms
+/// of polling, measured on a 2-vCPU VM); on a core that only kernel workers and short-lived
+/// threads visit, under 1% (one of 50–300 µs every 10–50 ms). Backing off for each of those
+/// would leave a shard serving a read every 500 µs parked most of the time.
+const LOST_SHARE: u32 = 16;
+/// The polling time the share is taken over: past it, both figures halve, so that contention
+/// that starts after a long quiet spell shows within a few windows. Polling a whole window
+/// without being found contended also starts the next back-off from
+/// [`CONTENDED_BACKOFF_MIN`] again.
+const SHARE_WINDOW: Duration = Duration::from_millis(100);
+/// Once it finds its core contended, the shard parks at once when idle for a back-off: this
+/// long after the first, twice the last after each further one, up to [`CONTENDED_BACKOFF`]; a
+/// poll that then runs its whole time undisturbed, or a window's polling
+/// ([`SHARE_WINDOW`]) that does not find the core contended, starts the next back-off here
+/// again.
 const CONTENDED_BACKOFF_MIN: Duration = Duration::from_millis(10);
 /// The longest back-off. Polling a contended core costs the other threads CPU, and the shard
 /// its wake-up priority: a poller preempted with a read in flight waits as a runnable thread
 /// for the other's time slice to end, where a parked one is woken by the completion and may
-/// preempt it. On a core kept busy the back-off is a second from the eighth preemption in a row,
-/// and the shard then polls, and is preempted, once a second at most; on a core disturbed
-/// now and then it polls again after 10 ms.
+/// preempt it. On a core kept busy the back-off is a second from the eighth time in a row the
+/// core is found contended, and the shard then polls, and is preempted, once a second at most;
+/// on a core contended now and then it polls again after 10 ms.
 const CONTENDED_BACKOFF: Duration = Duration::from_secs(1);
 
 /// A shard polls only while its ring runs at most this deep: this many io_uring operations in
@@ -276,6 +290,12 @@ struct IdlePoll {
     /// The activity count last seen, and when it was first seen (the last activity's time, to
     /// within one round).
     seen: Option<(u64, Instant)>,
+    /// Back-offs taken so far ([`ShardStats::idle_poll_backoffs`]).
+    backoffs: u64,
+    /// Wall-clock time spent polling since the last back-off (halved past [`SHARE_WINDOW`]).
+    polled: Duration,
+    /// Of `polled`, the time preempted rounds spent off the CPU.
+    lost: Duration,
 }
 
 impl IdlePoll {
@@ -283,8 +303,8 @@ impl IdlePoll {
     /// lets the runtime poll its I/O driver without blocking and run what that woke (the
     /// io_uring reaper, the requests' futures), then checks the channel. Returns `true` when a
     /// message is waiting, `false` when the shard should park: the time is up, polling is off,
-    /// or the thread was descheduled while polling (then it does not poll for a back-off;
-    /// see [`CONTENDED_BACKOFF_MIN`] and [`PREEMPTED`]), or the ring runs deeper than
+    /// or the core was found contended while polling (then it does not poll for a back-off;
+    /// see [`CONTENDED_BACKOFF_MIN`], [`PREEMPTED`] and [`LOST_SHARE`]), or the ring runs deeper than
     /// [`POLL_MAX_IN_FLIGHT`].
     /// `reap` is called each round: it submits what is queued on the shard's ring, hands the
     /// completions already posted to their futures (when the ring runs at most
@@ -306,12 +326,12 @@ impl IdlePoll {
         }
         let started = last;
         // Dates the last activity: the first round that sees the count move.
-        let mut active_at = |now: Instant| -> Instant {
+        let active_at = |seen: &mut Option<(u64, Instant)>, now: Instant| -> Instant {
             let count = activity.count();
-            match self.seen {
-                Some((seen, at)) if seen == count => at,
+            match *seen {
+                Some((c, at)) if c == count => at,
                 _ => {
-                    self.seen = Some((count, now));
+                    *seen = Some((count, now));
                     now
                 }
             }
@@ -324,8 +344,8 @@ impl IdlePoll {
                 return true;
             }
             // io_uring completions already posted reach their futures now; they run below.
-            if last.saturating_duration_since(active_at(last)) >= self.time {
-                // Polled its whole time, never descheduled: the core is free.
+            if last.saturating_duration_since(active_at(&mut self.seen, last)) >= self.time {
+                // Polled its whole time, never found contended: the core is free.
                 if last.saturating_duration_since(started) >= self.time {
                     self.undisturbed();
                 }
@@ -338,26 +358,49 @@ impl IdlePoll {
             // Deferred until the runtime has polled its driver with a zero timeout.
             tokio::task::yield_now().await;
             let (now, (cpu, switches)) = (Instant::now(), thread_usage());
-            let off_cpu = (now - last).saturating_sub(cpu.saturating_sub(before_cpu));
-            if off_cpu > self.preempted && switches > before_switches {
-                self.contended(now);
+            let round = now - last;
+            let off_cpu = round.saturating_sub(cpu.saturating_sub(before_cpu));
+            let preempted = off_cpu > self.preempted && switches > before_switches;
+            if self.round(now, round, preempted.then_some(off_cpu)) {
                 return !rx.is_empty();
             }
             (last, last_cpu) = (now, Some((cpu, switches)));
         }
     }
 
-    /// The thread was descheduled while polling at `now`: no polling for the current back-off,
-    /// and the next one twice as long (up to [`CONTENDED_BACKOFF`]).
+    /// Accounts for a polling round of `round` that ended at `now`, `lost` off the CPU when it
+    /// was preempted; whether the core is now found contended (the shard backs off).
+    fn round(&mut self, now: Instant, round: Duration, lost: Option<Duration>) -> bool {
+        self.polled += round;
+        if let Some(lost) = lost {
+            self.lost += lost;
+            if self.lost * LOST_SHARE > self.polled {
+                self.contended(now);
+                return true;
+            }
+        }
+        if self.polled >= SHARE_WINDOW {
+            self.polled /= 2;
+            self.lost /= 2;
+            self.undisturbed();
+        }
+        false
+    }
+
+    /// The core was found contended at `now`: no polling for the current back-off, and the
+    /// next one twice as long (up to [`CONTENDED_BACKOFF`]).
     fn contended(&mut self, now: Instant) {
+        self.backoffs += 1;
+        (self.polled, self.lost) = (Duration::ZERO, Duration::ZERO);
         self.backoff_until = Some(now + self.backoff);
         self.backoff = (self.backoff * 2).min(CONTENDED_BACKOFF);
     }
 
-    /// A poll ran its whole time (the idle-poll time, in one call) without being descheduled:
-    /// the core is free again, and the next back-off starts from [`CONTENDED_BACKOFF_MIN`]. A
-    /// poll that ends at once because the last activity is already that long ago says nothing
-    /// of the core and leaves the back-off as it is.
+    /// A poll ran its whole time (the idle-poll time, in one call), or a window's polling
+    /// ([`SHARE_WINDOW`]), without finding the core contended: the core is free again, and the
+    /// next back-off starts from [`CONTENDED_BACKOFF_MIN`]. A poll that ends at once because
+    /// the last activity is already that long ago says nothing of the core and leaves the
+    /// back-off as it is.
     fn undisturbed(&mut self) {
         self.backoff = CONTENDED_BACKOFF_MIN;
     }
@@ -399,7 +442,11 @@ async fn run(
         backoff_until: None,
         backoff: CONTENDED_BACKOFF_MIN,
         seen: None,
+        backoffs: 0,
+        polled: Duration::ZERO,
+        lost: Duration::ZERO,
     };
+    let mut published_backoffs = 0;
     // Made here, on the shard's runtime (its reactor registers the fd).
     #[cfg(target_os = "linux")]
     let own_timer = shard_timer::for_shard(index);
@@ -490,13 +537,21 @@ async fn run(
         }
         match next {
             Next::Idle => {
-                if open
+                let woken = open
                     && idle_poll
                         .poll(&rx, &inflight.activity, || {
                             shard_io::poll(POLL_MAX_IN_FLIGHT)
                         })
-                        .await
-                {
+                        .await;
+                // Stored only when it moved (rarely): the shards' counters share cache lines.
+                if published_backoffs != idle_poll.backoffs {
+                    published_backoffs = idle_poll.backoffs;
+                    // Relaxed: a statistic with this thread its only writer; nothing is
+                    // published with it.
+                    shared.poll_backoffs[index]
+                        .store(published_backoffs, crate::sync::Ordering::Relaxed);
+                }
+                if woken {
                     // A message is waiting: take it without parking.
                     continue;
                 }
@@ -597,9 +652,14 @@ mod tests {
     use crate::sync::Ordering;
 
     fn one_shard(idle_poll: Duration) -> (Dispatcher, ClassId) {
+        one_shard_pinned(idle_poll, false)
+    }
+
+    /// One shard with one class, pinned to a core or not.
+    fn one_shard_pinned(idle_poll: Duration, pin: bool) -> (Dispatcher, ClassId) {
         let mut b = Dispatcher::builder()
             .shards(1)
-            .pin_threads(false)
+            .pin_threads(pin)
             .idle_poll(idle_poll)
             .disk(DiskModel::symmetric(Figures {
                 iops: 100_000,
@@ -703,6 +763,9 @@ mod tests {
             backoff_until: None,
             backoff: CONTENDED_BACKOFF_MIN,
             seen: None,
+            backoffs: 0,
+            polled: Duration::ZERO,
+            lost: Duration::ZERO,
         }
     }
 
@@ -886,6 +949,7 @@ mod tests {
                 assert!(!poll.poll(&rx, &activity, || 0).await);
                 let until = poll.backoff_until.expect("backing off");
                 assert!(until >= before + CONTENDED_BACKOFF_MIN);
+                assert_eq!(poll.backoffs, 1, "one back-off counted");
                 assert_eq!(
                     poll.backoff,
                     2 * CONTENDED_BACKOFF_MIN,
@@ -895,6 +959,7 @@ mod tests {
                 poll.backoff_until = Some(Instant::now() + Duration::from_secs(3600));
                 activity.touch();
                 assert!(!poll.poll(&rx, &activity, || 0).await);
+                assert_eq!(poll.backoffs, 1, "parking during a back-off is not another");
                 got = Some(());
             });
             got
@@ -908,7 +973,7 @@ mod tests {
         }
     }
 
-    /// Each preemption in a row doubles the back-off up to a second; a poll that runs its
+    /// Each back-off in a row doubles the next up to a second; a poll that runs its
     /// whole time undisturbed starts it again from the shortest.
     #[test]
     fn the_back_off_doubles_while_preempted_and_restarts_after_an_undisturbed_poll() {
@@ -925,9 +990,116 @@ mod tests {
             [10, 20, 40, 80, 160, 320, 640, 1000, 1000, 1000].map(ms),
             "doubling from the shortest, capped at the longest"
         );
+        assert_eq!(poll.backoffs, 10, "each one counted");
         poll.undisturbed();
         poll.contended(now);
         assert_eq!(poll.backoff_until, Some(now + CONTENDED_BACKOFF_MIN));
+        assert_eq!(poll.backoffs, 11);
+    }
+
+    /// Occasional preemptions (a kernel worker's run every 10 ms of polling) leave the poll on;
+    /// preemptions that take a real share of the polling time back it off, the ladder climbing
+    /// while they go on; polling a window without being found contended restarts it.
+    #[test]
+    fn only_preemptions_that_take_a_share_of_the_polling_back_off() {
+        let us = Duration::from_micros;
+        let mut poll = uncontended(Duration::from_millis(1));
+        let now = Instant::now();
+        // 60 µs lost per 10 ms polled: 0.6%, for 5 s.
+        for _ in 0..500 {
+            assert!(!poll.round(now, us(9_900), None));
+            assert!(!poll.round(now, us(100), Some(us(60))));
+        }
+        assert_eq!(poll.backoffs, 0);
+        assert!(poll.backoff_until.is_none());
+        // A thread that wants the core: 100 µs lost per 500 µs polled. Found within a window.
+        let mut polled = Duration::ZERO;
+        while !poll.round(now, us(500), Some(us(100))) {
+            polled += us(500);
+            assert!(polled < SHARE_WINDOW, "not found contended");
+        }
+        assert_eq!(poll.backoffs, 1);
+        assert_eq!(poll.backoff_until, Some(now + CONTENDED_BACKOFF_MIN));
+        // After the back-off the share is taken afresh: the next such round backs off again,
+        // for twice as long.
+        assert!(poll.round(now, us(500), Some(us(100))));
+        assert_eq!(poll.backoff_until, Some(now + 2 * CONTENDED_BACKOFF_MIN));
+        // Right after a back-off, one preemption early in the polling is a share of it too.
+        assert!(poll.round(now, us(300), Some(us(60))));
+        assert_eq!(poll.backoffs, 3);
+        // A window's polling, one occasional preemption in it: the ladder starts again.
+        assert!(!poll.round(now, SHARE_WINDOW - us(100), None));
+        assert!(!poll.round(now, us(100), Some(us(60))));
+        while !poll.round(now, us(500), Some(us(100))) {}
+        assert_eq!(poll.backoff_until, Some(now + CONTENDED_BACKOFF_MIN));
+        assert_eq!(poll.backoffs, 4);
+        // The polling after a back-off is judged on its own: a round that lost most of its
+        // time backs off, and the next one, which lost under 1/16, does not.
+        assert!(poll.round(now, us(500), Some(us(400))));
+        assert!(!poll.round(now, us(1_000), Some(us(60))));
+        assert_eq!(poll.backoffs, 5);
+    }
+
+    /// A shard whose core another thread keeps busy backs off from its idle poll, and its
+    /// stats say so: `idle_poll_backoffs` counts it, and `since` gives the interval's share.
+    #[test]
+    fn a_shard_on_a_busy_core_counts_its_back_offs_in_its_stats() {
+        let (d, class) = one_shard_pinned(Duration::from_secs(3600), true);
+        let Some(cpu) = d.shard_cpu(0) else {
+            eprintln!("the shard is not pinned: skipped");
+            d.shutdown();
+            return;
+        };
+        let before = d.stats_blocking();
+        assert_eq!(
+            before.idle_poll_backoffs(),
+            0,
+            "nothing ran on its core yet"
+        );
+        let stop = Arc::new(crate::sync::AtomicU64::new(0));
+        let (pinned_tx, pinned_rx) = std::sync::mpsc::channel();
+        let hog = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let pinned = core_affinity::set_for_current(core_affinity::CoreId { id: cpu });
+                pinned_tx.send(pinned).unwrap();
+                // Relaxed: a flag polled in a loop; nothing else is published with it.
+                while pinned && stop.load(Ordering::Relaxed) == 0 {
+                    std::hint::spin_loop();
+                }
+            })
+        };
+        if !pinned_rx.recv().unwrap() {
+            hog.join().unwrap();
+            eprintln!("cannot pin threads: skipped");
+            d.shutdown();
+            return;
+        }
+        let rt = rt();
+        // Each request is activity after which the shard polls again (once its back-off is
+        // over), on the core the spinning thread wants. Polled, not timed: the liveness guard
+        // only ends a wait that never comes.
+        let guard = Instant::now() + Duration::from_secs(60);
+        let mut after = d.stats_blocking();
+        while after.idle_poll_backoffs() == 0 && Instant::now() < guard {
+            rt.block_on(d.submit(class, IoRequest::tokens(1), async {}).unwrap())
+                .unwrap();
+            std::thread::sleep(Duration::from_millis(20));
+            after = d.stats_blocking();
+        }
+        // Relaxed: see the loop above.
+        stop.store(1, Ordering::Relaxed);
+        hog.join().unwrap();
+        let n = after.idle_poll_backoffs();
+        assert!(n >= 1, "the shard never backed off from a busy core");
+        assert_eq!(after.shards[0].idle_poll_backoffs, n);
+        let interval = after.since(&before);
+        assert_eq!(
+            interval.idle_poll_backoffs(),
+            n - before.idle_poll_backoffs()
+        );
+        assert_eq!(after.since(&after).idle_poll_backoffs(), 0);
+        d.shutdown();
     }
 
     /// Runs one uncontended poll of 200 µs with nothing to do, starting from the longest

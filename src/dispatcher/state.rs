@@ -70,6 +70,9 @@ pub(crate) struct Shared {
     pub(crate) spawned: Vec<AtomicU64>,
     /// One per shard: the tasks ever handed to it by `spawn_on` (see `spawn::Live`).
     pub(crate) tasks_spawned: Vec<AtomicU64>,
+    /// One per shard: the times it found its core contended while idle-polling and backed off
+    /// (written by the shard's thread only).
+    pub(crate) poll_backoffs: Vec<AtomicU64>,
     /// One per shard: how many times its thread parked with nothing queued. Counted only in
     /// the crate's own unit tests (of the idle poll): release builds carry no such field.
     #[cfg(test)]
@@ -186,6 +189,7 @@ impl Shared {
             closed: AtomicU64::new(0),
             spawned: (0..shards).map(|_| AtomicU64::new(0)).collect(),
             tasks_spawned: (0..shards).map(|_| AtomicU64::new(0)).collect(),
+            poll_backoffs: (0..shards).map(|_| AtomicU64::new(0)).collect(),
         }
     }
 

@@ -281,6 +281,11 @@ pub struct ShardStats {
     pub tasks_spawned: u64,
     /// Those tasks not yet ended, at the snapshot (a gauge).
     pub tasks_running: u64,
+    /// The times the shard found its core wanted by another thread while it idle-polled, and
+    /// parked for a back-off instead (a counter; see
+    /// [`DispatcherBuilder::idle_poll`](super::DispatcherBuilder::idle_poll)). Rising in a
+    /// quiet phase, it says what else runs on the shard's core.
+    pub idle_poll_backoffs: u64,
 }
 
 impl ShardStats {
@@ -292,6 +297,7 @@ impl ShardStats {
             // Relaxed: figures for a snapshot; nothing is published with them.
             tasks_spawned: shared.tasks_spawned[shard].load(Ordering::Relaxed),
             tasks_running: shared.spawned[shard].load(Ordering::Relaxed),
+            idle_poll_backoffs: shared.poll_backoffs[shard].load(Ordering::Relaxed),
         }
     }
 
@@ -341,6 +347,11 @@ impl DispatcherStats {
         self.shards.iter().map(|s| s.tasks_running).sum()
     }
 
+    /// Idle-poll back-offs ([`ShardStats::idle_poll_backoffs`]), all shards.
+    pub fn idle_poll_backoffs(&self) -> u64 {
+        self.shards.iter().map(|s| s.idle_poll_backoffs).sum()
+    }
+
     /// What happened since `earlier` (an earlier snapshot of the same dispatcher): counters and
     /// latency histograms of the interval, gauges as of `self`.
     pub fn since(&self, earlier: &DispatcherStats) -> DispatcherStats {
@@ -357,6 +368,7 @@ impl DispatcherStats {
                     classes: diff(&n.classes, &t.classes),
                     tasks_spawned: n.tasks_spawned.saturating_sub(t.tasks_spawned),
                     tasks_running: n.tasks_running,
+                    idle_poll_backoffs: n.idle_poll_backoffs.saturating_sub(t.idle_poll_backoffs),
                 })
                 .collect(),
             classes: diff(&self.classes, &earlier.classes),
@@ -395,12 +407,14 @@ mod tests {
                 classes: vec![first.clone()],
                 tasks_spawned: 0,
                 tasks_running: 0,
+                idle_poll_backoffs: 0,
             },
             ShardStats {
                 shard: 0,
                 classes: vec![first],
                 tasks_spawned: 0,
                 tasks_running: 0,
+                idle_poll_backoffs: 0,
             },
         ]);
         assert_eq!(shards.classes[0].requests, 200);
@@ -466,12 +480,14 @@ mod latency_tests {
                 classes: vec![early],
                 tasks_spawned: 0,
                 tasks_running: 0,
+                idle_poll_backoffs: 0,
             },
             ShardStats {
                 shard: 1,
                 classes: vec![late],
                 tasks_spawned: 0,
                 tasks_running: 0,
+                idle_poll_backoffs: 0,
             },
         ]);
         let c = &all.classes[0];
