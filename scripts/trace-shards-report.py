@@ -12,7 +12,11 @@ written by scripts/trace-shards), and prints per slice of each phase:
   culprits: for the delays over 1 ms, which tasks held the CPU meanwhile (ms, summed)
 
 Usage: trace-shards-report.py SCRIPT_TXT STDOUT_TXT [PID]
+
+TRACE_THREADS=PREFIX in the environment follows the job's threads whose names start with PREFIX
+(the kernel keeps 15 characters of a name) instead of the shards.
 """
+import os
 import re
 import sys
 from collections import defaultdict
@@ -82,8 +86,12 @@ def main():
                 counts[pid_of[tid]] += 1
         pid_filter = max(counts, key=counts.get) if counts else -1
 
+    # The threads followed: the shards by default; TRACE_THREADS names another prefix of the
+    # job's thread names (e.g. tokio-rt-worker, the cross-thread phase's submitting runtime).
+    followed = os.environ.get("TRACE_THREADS", "iothrottle-shar")[:15]
+
     def is_shard(tid, comm):
-        return comm.startswith("iothrottle-shar") and pid_of.get(tid) == pid_filter
+        return comm.startswith(followed) and pid_of.get(tid) == pid_filter
 
     def label(tid, comm):
         if pid_of.get(tid) == pid_filter:

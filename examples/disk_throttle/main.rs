@@ -42,7 +42,9 @@
 //!    latency (`open_loop.rs`). A reader wakes for its arrival on a timerfd of its own runtime
 //!    (`shard_timer.rs`): tokio's timer ticks in whole milliseconds and would wake it up to 2 ms late,
 //!    more on a runtime that parks than on a shard that polls, ten times a 4 KiB read's own
-//!    latency. The `lag p99` column (arrival to issue) shows what is left.
+//!    latency. The `lag p99` column (arrival to issue) shows what is left, and `io p99` (issue
+//!    to completion, as the reader sees it) the read's own path: the two split a phase's tail
+//!    between waking for the arrival and the I/O.
 //! 4. `--saturate` runs one spinning thread per core for the whole run.
 //!
 //! Per slice a row, with the disk's utilisation (`util`), the share of the CPUs' time the

@@ -63,9 +63,9 @@ impl Phase {
 
 /// What the drivers of one slice record.
 pub(crate) struct Recorder {
-    /// Foreground latency from the scheduled arrival, and the lag from the arrival to the
-    /// read's issue (ns).
-    pub(crate) fg: Mutex<(Histogram<u64>, Histogram<u64>)>,
+    /// Foreground latency from the scheduled arrival, the lag from the arrival to the read's
+    /// issue, and the read's own time from its issue to its completion (ns).
+    pub(crate) fg: Mutex<(Histogram<u64>, Histogram<u64>, Histogram<u64>)>,
     pub(crate) fg_errors: AtomicU64,
     /// Arrivals given up at the drain bound (counted with the latency they had reached).
     pub(crate) fg_abandoned: AtomicU64,
@@ -76,7 +76,7 @@ pub(crate) struct Recorder {
 impl Recorder {
     pub(crate) fn new() -> Self {
         Recorder {
-            fg: Mutex::new((new_hist(), new_hist())),
+            fg: Mutex::new((new_hist(), new_hist(), new_hist())),
             fg_errors: AtomicU64::new(0),
             fg_abandoned: AtomicU64::new(0),
             bg_bytes: AtomicU64::new(0),
@@ -88,6 +88,7 @@ impl Recorder {
         if let Ok(mut h) = self.fg.lock() {
             record(&mut h.0, latency);
             record(&mut h.1, lag);
+            record(&mut h.2, latency.saturating_sub(lag));
         }
     }
 }
@@ -354,12 +355,13 @@ pub(crate) async fn run_slice(
         }
         _ => (None, None),
     };
-    let (fg, lag) = rec.fg.lock().map_err(|_| "poisoned")?.clone();
+    let (fg, lag, io) = rec.fg.lock().map_err(|_| "poisoned")?.clone();
     let row = Row {
         phase,
         round,
         fg,
         lag,
+        io,
         elapsed: end.saturating_duration_since(t0).as_secs_f64(),
         bg_bytes,
         fg_queue_p99,

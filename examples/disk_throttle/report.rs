@@ -22,6 +22,8 @@ pub(crate) struct Row {
     pub(crate) round: u64,
     pub(crate) fg: Histogram<u64>,
     pub(crate) lag: Histogram<u64>,
+    /// From a read's issue to its completion.
+    pub(crate) io: Histogram<u64>,
     /// Seconds from the slice's start to its last read's end.
     pub(crate) elapsed: f64,
     pub(crate) bg_bytes: u64,
@@ -49,6 +51,7 @@ pub(crate) struct PhaseResult {
     pub(crate) phase: Phase,
     pub(crate) fg: Histogram<u64>,
     pub(crate) lag: Histogram<u64>,
+    pub(crate) io: Histogram<u64>,
     pub(crate) elapsed: f64,
     pub(crate) bg_bytes: u64,
     pub(crate) backoffs: Option<u64>,
@@ -64,6 +67,7 @@ impl PhaseResult {
             phase,
             fg: new_hist(),
             lag: new_hist(),
+            io: new_hist(),
             elapsed: 0.0,
             bg_bytes: 0,
             backoffs: None,
@@ -77,6 +81,7 @@ impl PhaseResult {
     pub(crate) fn add(&mut self, r: &Row) {
         self.fg.add(&r.fg).expect("same bounds");
         self.lag.add(&r.lag).expect("same bounds");
+        self.io.add(&r.io).expect("same bounds");
         self.elapsed += r.elapsed;
         self.bg_bytes += r.bg_bytes;
         if let Some(b) = r.backoffs {
@@ -136,13 +141,14 @@ pub(crate) fn fmt_d(d: Duration) -> String {
 
 pub(crate) fn print_header() {
     println!(
-        "{:<11} {:>3} | {:>7} {:>10} {:>10} {:>10} {:>12} | {:>8} | {:>5} {:>6} | {:>5}",
+        "{:<11} {:>3} | {:>7} {:>10} {:>10} {:>10} {:>10} {:>12} | {:>8} | {:>5} {:>6} | {:>5}",
         "phase",
         "rnd",
         "fg IOPS",
         "fg p50",
         "fg p99",
         "lag p99",
+        "io p99",
         "qwait p99",
         "bg MB/s",
         "util",
@@ -153,13 +159,14 @@ pub(crate) fn print_header() {
 
 pub(crate) fn print_row(r: &Row) {
     println!(
-        "{:<11} {:>3} | {:>7.0} {:>10} {:>10} {:>10} {:>12} | {:>8.1} | {:>5} {:>6} | {:>5}",
+        "{:<11} {:>3} | {:>7.0} {:>10} {:>10} {:>10} {:>10} {:>12} | {:>8.1} | {:>5} {:>6} | {:>5}",
         r.phase.name(),
         r.round,
         r.fg.len() as f64 / r.elapsed.max(1e-9),
         fmt_d(q(&r.fg, 0.5)),
         fmt_d(q(&r.fg, 0.99)),
         fmt_d(q(&r.lag, 0.99)),
+        fmt_d(q(&r.io, 0.99)),
         r.fg_queue_p99.map_or("–".to_owned(), fmt_d),
         r.bg_mb_s(),
         r.busy_ms.map_or("?".to_owned(), |b| format!(
@@ -175,7 +182,7 @@ pub(crate) fn print_row(r: &Row) {
 pub(crate) fn print_phases(results: &[PhaseResult], target_p99: Duration) {
     println!();
     println!(
-        "{:<11} | {:>9} {:>9} {:>9} | {:>9} {:>9} | {:>9} | {:>8} {:>8} {:>8} | {:>5} {:>6} | {:>5}",
+        "{:<11} | {:>9} {:>9} {:>9} | {:>9} {:>9} | {:>9} {:>9} {:>9} | {:>8} {:>8} {:>8} | {:>5} {:>6} | {:>5}",
         "phase",
         "p50",
         "p99",
@@ -183,6 +190,8 @@ pub(crate) fn print_phases(results: &[PhaseResult], target_p99: Duration) {
         "med p99",
         "worst p99",
         "lag p99",
+        "io p50",
+        "io p99",
         "bg MB/s",
         "med",
         "worst",
@@ -191,12 +200,16 @@ pub(crate) fn print_phases(results: &[PhaseResult], target_p99: Duration) {
         "b/o"
     );
     println!(
-        "{:<11} | {:>29} | {:>19} | {:>9} | {:>26} |",
-        "", "fg latency from arrival", "p99 over rounds", "", "compaction (all, median, worst)"
+        "{:<11} | {:>29} | {:>19} | {:>29} | {:>26} |",
+        "",
+        "fg latency from arrival",
+        "p99 over rounds",
+        "arrival→issue, issue→end",
+        "compaction (all, median, worst)"
     );
     for r in results {
         println!(
-            "{:<11} | {:>9} {:>9} {:>9} | {:>9} {:>9} | {:>9} | {:>8.1} {:>8.1} {:>8.1} | {:>5} {:>6} | {:>5}",
+            "{:<11} | {:>9} {:>9} {:>9} | {:>9} {:>9} | {:>9} {:>9} {:>9} | {:>8.1} {:>8.1} {:>8.1} | {:>5} {:>6} | {:>5}",
             r.phase.name(),
             fmt_d(q(&r.fg, 0.5)),
             fmt_d(q(&r.fg, 0.99)),
@@ -204,6 +217,8 @@ pub(crate) fn print_phases(results: &[PhaseResult], target_p99: Duration) {
             fmt_d(r.rounds.median_p99()),
             fmt_d(r.rounds.worst_p99()),
             fmt_d(q(&r.lag, 0.99)),
+            fmt_d(q(&r.io, 0.5)),
+            fmt_d(q(&r.io, 0.99)),
             r.bg_mb_s(),
             r.rounds.median_bg(),
             r.rounds.worst_bg(),
