@@ -207,14 +207,23 @@ fn oversized_requests_are_split_or_refused() {
 
 /// A slow dispatcher: 1000 tokens per second, requests of 100 tokens (10 per second).
 fn slow(shards: usize, capped: bool) -> (Dispatcher, ClassId) {
-    let mut b = Dispatcher::builder()
+    slow_with(slow_builder(shards, capped))
+}
+
+/// The builder of [`slow`], for a test to add to (a clock, say).
+fn slow_builder(shards: usize, capped: bool) -> DispatcherBuilder {
+    Dispatcher::builder()
         .disk(NVME)
         .shards(shards)
         .rate(Rate::per_second(1000))
         .limit(100)
         .threshold(1)
         .max_cost(100)
-        .capped(capped);
+        .capped(capped)
+}
+
+/// Builds `b` with one class.
+fn slow_with(mut b: DispatcherBuilder) -> (Dispatcher, ClassId) {
     let c = b.add_class(ClassConfig::new("c", 100)).unwrap();
     (b.build().unwrap(), c)
 }
@@ -252,17 +261,7 @@ fn shutdown_dispatches_what_is_queued() {
 /// fails with `ShutDown`, none is lost.
 #[test]
 fn shutdown_now_fails_what_is_queued() {
-    let mut b = Dispatcher::builder()
-        .disk(NVME)
-        .shards(2)
-        .rate(Rate::per_second(1000))
-        .limit(100)
-        .threshold(1)
-        .max_cost(100)
-        .capped(true)
-        .clock(ManualClock::new());
-    let c = b.add_class(ClassConfig::new("c", 100)).unwrap();
-    let d = b.build().unwrap();
+    let (d, c) = slow_with(slow_builder(2, true).clock(ManualClock::new()));
     // The shards' first poll fills the bucket (polled for, not timed).
     while d.bucket_state().tokens() < 100 {
         std::thread::sleep(std::time::Duration::from_millis(1));

@@ -300,6 +300,21 @@ struct IdlePoll {
 }
 
 impl IdlePoll {
+    /// A poll of `time` after the last activity that takes a round off the CPU for over
+    /// `preempted` as lost to another thread; no back-off yet, nothing polled.
+    fn new(time: Duration, preempted: Duration) -> Self {
+        IdlePoll {
+            time,
+            preempted,
+            backoff_until: None,
+            backoff: CONTENDED_BACKOFF_MIN,
+            seen: None,
+            backoffs: 0,
+            polled: Duration::ZERO,
+            lost: Duration::ZERO,
+        }
+    }
+
     /// Polls while the shard is idle, for up to `time` after its last activity: each round
     /// lets the runtime poll its I/O driver without blocking and run what that woke (the
     /// io_uring reaper, the requests' futures), then checks the channel. Returns `true` when a
@@ -437,16 +452,7 @@ async fn run(
     });
     // The shard's own tasks may dispatch requests that can go at once themselves.
     spawn::set_inflight(inflight.clone());
-    let mut idle_poll = IdlePoll {
-        time: shared.idle_poll,
-        preempted: PREEMPTED,
-        backoff_until: None,
-        backoff: CONTENDED_BACKOFF_MIN,
-        seen: None,
-        backoffs: 0,
-        polled: Duration::ZERO,
-        lost: Duration::ZERO,
-    };
+    let mut idle_poll = IdlePoll::new(shared.idle_poll, PREEMPTED);
     let mut published_backoffs = 0;
     // Made here, on the shard's runtime (its reactor registers the fd).
     #[cfg(target_os = "linux")]
@@ -758,16 +764,7 @@ mod tests {
 
     /// An idle poll that never finds its core contended (the tests run on a loaded machine).
     fn uncontended(time: Duration) -> IdlePoll {
-        IdlePoll {
-            time,
-            preempted: Duration::MAX,
-            backoff_until: None,
-            backoff: CONTENDED_BACKOFF_MIN,
-            seen: None,
-            backoffs: 0,
-            polled: Duration::ZERO,
-            lost: Duration::ZERO,
-        }
+        IdlePoll::new(time, Duration::MAX)
     }
 
     /// Runs `f` on a current-thread runtime in a `LocalSet`, as a shard does; a poll that never
