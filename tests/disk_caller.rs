@@ -4,11 +4,13 @@
 //! the shard's path.
 
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
-use iothrottle::disk::{AlignedBuf, Backend, FileOptions, ThrottledFile, ALIGN};
+use iothrottle::disk::{
+    wait_for_completions, AlignedBuf, Backend, FileOptions, ThrottledFile, ALIGN,
+};
 use iothrottle::dispatcher::{ClassId, Dispatcher};
 
 mod common;
@@ -354,4 +356,92 @@ fn by_default_file_pieces_go_from_the_callers_ring_and_submitted_futures_run_on_
     );
     takes_the_shard_path(&off, g, &rt);
     off.shutdown();
+}
+
+/// A runtime that parks on the caller's ring ([`wait_for_completions`] as its park hook), and
+/// how many times the hook waited (it had a read or write in flight).
+fn rt_parking_on_the_ring(max: Duration) -> (tokio::runtime::Runtime, Arc<AtomicU64>) {
+    let waits = Arc::new(AtomicU64::new(0));
+    let counted = waits.clone();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .on_thread_park(move || {
+            if wait_for_completions(max) {
+                counted.fetch_add(1, Ordering::SeqCst);
+            }
+        })
+        .build()
+        .unwrap();
+    (rt, waits)
+}
+
+/// With the runtime parking on the ring, caller-dispatched I/O round-trips as it does without
+/// (the shard blocked: nothing goes through it), and the hook did wait on the ring.
+#[test]
+fn caller_dispatched_io_round_trips_with_the_runtime_parking_on_the_ring() {
+    let dir = scratch();
+    let (d, class) = dispatcher();
+    let path = dir.path().join("data");
+    let f =
+        Arc::new(ThrottledFile::open(d.clone(), class, path, options(Backend::IoUring)).unwrap());
+    let (rt, waits) = rt_parking_on_the_ring(Duration::from_secs(1));
+    in_time(&rt, round_trip(d.clone(), f));
+    check_accounted(&d, &rt, 8 * 3 + 128);
+    assert!(
+        waits.load(Ordering::SeqCst) > 0,
+        "the runtime parked on the ring with I/O in flight"
+    );
+    d.shutdown();
+}
+
+/// The wait is bounded: with a write stuck in flight (a full pipe), the hook waits on the ring,
+/// gives up at its bound, and the runtime still takes a wake-up from another thread; the write
+/// completes once the pipe is read. Without I/O in flight, or without a ring, it does not wait.
+#[test]
+fn parking_on_the_ring_lets_go_at_its_bound_and_for_the_completion() {
+    assert!(
+        !wait_for_completions(Duration::from_secs(1)),
+        "no ring on this thread: no wait"
+    );
+    let (mut rd, f, d) = full_pipe_file();
+    let (rt, waits) = rt_parking_on_the_ring(Duration::from_millis(2));
+    let blocked = block_shard(&d);
+    let (wake_tx, wake_rx) = tokio::sync::oneshot::channel();
+    let (drained_tx, drained_rx) = mpsc::channel();
+    let waited = waits.clone();
+    let other = std::thread::spawn(move || {
+        // The hook waited with the write in flight and returned without its completion (the
+        // pipe is full until this thread reads it): the runtime went on to park as usual.
+        let start = std::time::Instant::now();
+        while waited.load(Ordering::SeqCst) == 0 {
+            assert!(
+                start.elapsed() < GUARD,
+                "the runtime never parked on the ring"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        wake_tx.send(()).unwrap();
+        drained_rx.recv().unwrap();
+        common::disk::drain_full_pipe(&mut rd, 4);
+    });
+    let (written, woken_after) = in_time(&rt, async {
+        let write = tokio::spawn(async move {
+            f.write_at(AlignedBuf::from_slice(&[4; ALIGN]).unwrap(), 0)
+                .await
+                .0
+        });
+        wake_rx.await.expect("woken from another thread");
+        let woken_after = waits.load(Ordering::SeqCst);
+        assert!(!write.is_finished(), "the pipe is still full");
+        drained_tx.send(()).unwrap();
+        (write.await.unwrap(), woken_after)
+    });
+    written.unwrap();
+    assert!(woken_after >= 1);
+    other.join().unwrap();
+    drop(blocked);
+    check_accounted(&d, &rt, 1);
+    // Nothing in flight any more: the hook returns at once.
+    rt.block_on(async { assert!(!wait_for_completions(Duration::from_secs(1))) });
+    d.shutdown();
 }

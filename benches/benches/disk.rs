@@ -40,6 +40,10 @@
 //!   dispatcher is unthrottled) is issued on the caller's own io_uring and reaped by the
 //!   caller's runtime; no shard thread wakes. Its ratio to `direct_io_uring` is what the
 //!   dispatcher's bookkeeping and a ring reaped through tokio's reactor cost.
+//! - `throttled_file_caller_ring_wait` (in `disk/ratios` only): `throttled_file_caller` with
+//!   the runtime parking on the caller's ring: its `on_thread_park` hook calls
+//!   [`wait_for_completions`] (up to 500 µs), so a thread with a read in flight sleeps in the
+//!   ring's own wait, woken by the completion, instead of in `epoll_wait`.
 //! - `throttled_file_sched_batch` (in `disk/ratios` only): `throttled_file` with the shard
 //!   thread on Linux's `SCHED_BATCH` policy, set by a
 //!   [`DispatcherBuilder::on_shard_start`] hook. A woken batch thread does not preempt the thread
@@ -96,12 +100,14 @@
 //! The scratch file (64 MiB) lives under the target directory, which must be on a real disk.
 //!
 //! [idle poll]: iothrottle::dispatcher::DispatcherBuilder::idle_poll
+//! [`wait_for_completions`]: iothrottle::disk::wait_for_completions
 //! [`DispatcherBuilder::on_shard_start`]: iothrottle::dispatcher::DispatcherBuilder::on_shard_start
 //! [`DispatcherBuilder::caller_dispatch`]: iothrottle::dispatcher::DispatcherBuilder::caller_dispatch
 
 use std::cell::RefCell;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -624,6 +630,12 @@ fn on_shard(
     elapsed
 }
 
+/// Whether the benchmark runtime's park hook waits on the caller's ring
+/// (`throttled_file_caller_ring_wait`).
+static RING_WAIT: AtomicBool = AtomicBool::new(false);
+/// The longest such wait.
+const RING_WAIT_MAX: Duration = Duration::from_micros(500);
+
 pub fn disk(c: &mut Criterion) {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let path = dir.path().join("bench.dat");
@@ -658,6 +670,12 @@ pub fn disk(c: &mut Criterion) {
         .collect();
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
+        .on_thread_park(|| {
+            // Relaxed: a flag the benchmark thread itself sets between cases.
+            if RING_WAIT.load(Ordering::Relaxed) {
+                iothrottle::disk::wait_for_completions(RING_WAIT_MAX);
+            }
+        })
         .build()
         .unwrap();
     let mut rng = Rng(0x1234_5678_9abc_def1);
@@ -762,6 +780,16 @@ pub fn disk(c: &mut Criterion) {
                 "throttled_file_caller",
                 depth,
                 Box::new(move |n, rng, lat| throttled(rt, caller_file, depth, n, rng, lat)),
+            ));
+            cases.push((
+                "throttled_file_caller_ring_wait",
+                depth,
+                Box::new(move |n, rng, lat| {
+                    RING_WAIT.store(true, Ordering::Relaxed);
+                    let took = throttled(rt, caller_file, depth, n, rng, lat);
+                    RING_WAIT.store(false, Ordering::Relaxed);
+                    took
+                }),
             ));
             cases.push((
                 "throttled_file_sched_batch",

@@ -11,6 +11,9 @@
 //! its future; if the runtime shuts down with operations in flight, a thread takes over the
 //! reaping until the table is empty, so no buffer is freed under the kernel.
 //!
+//! A runtime may park on the ring ([`wait_for_completions`] as its park hook), woken by the
+//! completion itself instead of through the eventfd.
+//!
 //! Anything else keeps the shard's path: no tokio runtime (or one without an I/O driver) on the
 //! calling thread, the blocking pool, a ring that cannot be made or is full. A call from a shard
 //! uses the shard's own ring (`uring::try_issue_here`).
@@ -65,12 +68,17 @@ pub(super) struct CallerRing {
     inner: Mutex<Ring>,
     /// Registered with the ring: the kernel adds to it for every completion. Non-blocking.
     eventfd: RingEventFd,
+    /// The ring's own descriptor, for a wait that does not take the lock
+    /// ([`wait_for_completions`]); open for as long as `inner` is.
+    fd: RawFd,
 }
 
 impl CallerRing {
     fn new() -> io::Result<Arc<CallerRing>> {
         let (ring, eventfd) = RingEventFd::ring(SQ_ENTRIES, CQ_ENTRIES)?;
+        let fd = ring.as_raw_fd();
         Ok(Arc::new(CallerRing {
+            fd,
             inner: Mutex::new(Ring {
                 ring,
                 pending: Slab::new(),
@@ -257,6 +265,98 @@ fn local_ring(rt: &Handle) -> Option<Arc<CallerRing>> {
         })
         .ok()
         .flatten()
+}
+
+/// `io_uring_getevents_arg` (`IORING_ENTER_EXT_ARG`): a wait with a timeout.
+#[repr(C)]
+struct GetEventsArg {
+    sigmask: u64,
+    sigmask_sz: u32,
+    min_wait_usec: u32,
+    ts: u64,
+}
+
+/// `__kernel_timespec`.
+#[repr(C)]
+struct KernelTimespec {
+    tv_sec: i64,
+    tv_nsec: i64,
+}
+
+const IORING_ENTER_GETEVENTS: libc::c_uint = 1;
+const IORING_ENTER_EXT_ARG: libc::c_uint = 1 << 3;
+
+/// Sleeps on the calling thread's caller ring (see [`ThrottledFile`](super::ThrottledFile)'s
+/// caller dispatch) until one of its operations completes, for at most `max`; returns at once
+/// when the thread has no such ring or nothing in flight on it. Whether the thread waited.
+///
+/// Meant for a tokio runtime's [`on_thread_park`] hook, on a runtime whose threads do little
+/// but wait for disk reads:
+///
+/// ```no_run
+/// use std::time::Duration;
+/// let rt = tokio::runtime::Builder::new_current_thread()
+///     .enable_all()
+///     .on_thread_park(|| {
+///         iothrottle::disk::wait_for_completions(Duration::from_micros(200));
+///     })
+///     .build()?;
+/// # Ok::<(), std::io::Error>(())
+/// ```
+///
+/// A thread about to park in its runtime's `epoll_wait` with a caller-dispatched read in
+/// flight parks in the ring's own wait instead: the kernel's completion wakes it directly, and
+/// the runtime's poll that follows finds the ring's eventfd ready without sleeping. It saves the
+/// wake-up through the eventfd (the completion's work interrupts `epoll_wait`, which is entered
+/// again to find the event). The cost: for up to `max` the thread sees nothing else (a task
+/// woken from another thread, a timer, a socket): they wait for the completion or for `max`.
+/// Leave it out of runtimes that serve anything but such reads; docs/dispatcher.md has the
+/// figures.
+///
+/// [`on_thread_park`]: tokio::runtime::Builder::on_thread_park
+pub fn wait_for_completions(max: std::time::Duration) -> bool {
+    let ring = LOCAL
+        .try_with(|l| {
+            let l = l.try_borrow().ok()?;
+            let (_, ring) = l.0.as_ref()?;
+            Some(ring.clone())
+        })
+        .ok()
+        .flatten();
+    let Some(ring) = ring else {
+        return false;
+    };
+    if ring.lock().pending.is_empty() || max.is_zero() {
+        return false;
+    }
+    let ts = KernelTimespec {
+        // Beyond `i64::MAX` seconds (some 292 billion years) the kernel takes no more.
+        tv_sec: i64::try_from(max.as_secs()).unwrap_or(i64::MAX),
+        tv_nsec: i64::from(max.subsec_nanos()),
+    };
+    let arg = GetEventsArg {
+        sigmask: 0,
+        sigmask_sz: 0,
+        min_wait_usec: 0,
+        ts: &ts as *const KernelTimespec as u64,
+    };
+    // SAFETY: `ring.fd` is the ring's descriptor, open while `ring` (an `Arc`) is held; nothing
+    // is submitted (`to_submit` 0), so no entry is read; `arg` and the timespec it points to
+    // are live locals of the right layout and size for `IORING_ENTER_EXT_ARG`.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_io_uring_enter,
+            ring.fd,
+            0 as libc::c_uint,
+            1 as libc::c_uint,
+            IORING_ENTER_GETEVENTS | IORING_ENTER_EXT_ARG,
+            &arg as *const GetEventsArg,
+            std::mem::size_of::<GetEventsArg>(),
+        )
+    };
+    // A timeout (`ETIME`), a signal or an error: the runtime's own poll follows either way.
+    let _ = r;
+    true
 }
 
 /// Runtimes found without an I/O driver (the most recent few): their callers keep the shards'

@@ -42,6 +42,7 @@ mod uring;
 pub use backend::{Backend, Resolved, BACKEND_ENV};
 pub use buf::{AlignedBuf, IoBuf, IoBufMut, ALIGN};
 pub use calibrate::{calibrate, calibrate_detailed, CalibrateOptions, Calibration, DepthStep};
+pub use caller_ring::wait_for_completions;
 pub use file::{BufResult, FileOptions, ThrottledFile};
 pub use irq::{completion_cpus, InterruptCpu};
 pub use props::{mountpoint_of, DiskProperties, IoProperties};
