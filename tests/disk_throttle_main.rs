@@ -15,9 +15,14 @@ mod open_loop;
 #[allow(dead_code)] // `describe` is the example's
 mod placement;
 
+#[path = "../examples/disk_throttle/stall.rs"]
+#[allow(dead_code)] // the constants are the report's
+mod stall;
+
 use args::{check_values, Args};
 use open_loop::{median, Rounds, Schedule};
 use placement::Placement;
+use stall::StallWatch;
 
 fn parse(flags: &[&str]) -> Result<Args, clap::Error> {
     Args::try_parse_from(std::iter::once("disk_throttle").chain(flags.iter().copied()))
@@ -37,6 +42,7 @@ fn the_defaults_leave_the_dispatcher_to_the_builder() {
         (2000, 4, 1024, 4)
     );
     assert_eq!(a.plain_rate, 50_000_000);
+    assert!(!a.stall_watch, "the watch runs only when asked for");
     check_values(&a).unwrap();
 }
 
@@ -44,6 +50,7 @@ fn the_defaults_leave_the_dispatcher_to_the_builder() {
 fn saturate_and_the_short_run_flags_parse() {
     let a = parse(&[
         "--saturate",
+        "--stall-watch",
         "--phase-secs",
         "1",
         "--slice-ms",
@@ -58,7 +65,7 @@ fn saturate_and_the_short_run_flags_parse() {
         "800:200",
     ])
     .unwrap();
-    assert!(a.saturate);
+    assert!(a.saturate && a.stall_watch);
     assert_eq!(
         (a.rounds, a.slice_ms),
         (1, 200),
@@ -179,4 +186,33 @@ fn rounds_report_the_median_and_the_worst() {
     assert_eq!(r.worst_p99(), Duration::from_micros(900));
     assert_eq!(r.median_bg(), 300.0);
     assert_eq!(r.worst_bg(), 250.0, "the worst bandwidth is the lowest");
+}
+
+#[test]
+fn the_stall_watch_reports_the_latest_wake_up_on_any_cpu_since_it_was_last_asked() {
+    let w = StallWatch::by_hand(2);
+    assert_eq!(w.take(), Some(Duration::ZERO), "nothing noted yet");
+    w.note(0, Duration::from_millis(3));
+    w.note(1, Duration::from_millis(7));
+    w.note(0, Duration::from_millis(1));
+    w.note(1, Duration::from_millis(2));
+    assert_eq!(
+        w.take(),
+        Some(Duration::from_millis(7)),
+        "the latest of all"
+    );
+    assert_eq!(
+        w.take(),
+        Some(Duration::ZERO),
+        "taken: counted again from zero"
+    );
+    w.note(1, Duration::from_micros(40));
+    assert_eq!(w.take(), Some(Duration::from_micros(40)));
+    assert_eq!(StallWatch::by_hand(0).take(), None, "no CPUs: no figure");
+    // The real watch: a slot (and a thread) for each CPU the process may use, stopped on drop.
+    let cpus = core_affinity::get_core_ids().map_or(0, |c| c.len());
+    let live = StallWatch::start();
+    assert_eq!(live.cpus(), cpus);
+    assert_eq!(live.take().is_some(), cpus > 0);
+    drop(live);
 }

@@ -84,6 +84,11 @@ pub struct Args {
     /// the cores are busy.
     #[arg(long)]
     pub saturate: bool,
+    /// Watch the machine: a thread pinned to each CPU sleeps 5 ms at a time, and each slice
+    /// reports how late they woke (`stall`): a machine that did not run the job. Off by
+    /// default: its 200 wake-ups a second per CPU preempt what the phases measure.
+    #[arg(long)]
+    pub stall_watch: bool,
     /// Size of the foreground's region of the scratch file, MiB.
     #[arg(long, default_value_t = 1024)]
     pub fg_mib: u64,

@@ -77,6 +77,7 @@ mod placement;
 mod plot;
 mod quick_model;
 mod report;
+mod stall;
 // The crate's own timerfd (its shards' short sleeps), compiled here for the readers' arrivals.
 #[path = "../../src/dispatcher/shard_timer.rs"]
 #[allow(dead_code)] // the example arms and awaits it; the shards' helpers stay unused
@@ -89,6 +90,7 @@ use phases::{run_slice, settle, warm_up, Ctx, Io, Phase, Route};
 use placement::Placement;
 use quick_model::quick_model;
 use report::{fmt_d, print_header, q, PhaseResult};
+use stall::StallWatch;
 
 const READ_BYTES: u64 = 4096;
 
@@ -385,6 +387,7 @@ async fn real_disk_inner(
 
     let ctx = Ctx {
         busy: DiskBusy::new(&file),
+        stall: args.stall_watch.then(StallWatch::start),
         file: file.clone(),
         fg_region,
         bg_region,
@@ -457,6 +460,7 @@ async fn real_disk_inner(
     }
 
     report::print_phases(&results, target_p99);
+    report::print_outliers(&rows, args.stall_watch);
     plot::plot_real(args, &rows)?;
     println!("plot written to {}", args.plot.display());
     report::print_summary(&results);

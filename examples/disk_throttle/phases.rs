@@ -19,6 +19,7 @@ use crate::open_loop::Schedule;
 use crate::placement::Placement;
 use crate::report::{new_hist, print_row, record, Row};
 use crate::shard_timer::ShardTimer;
+use crate::stall::StallWatch;
 use crate::{BoxError, READ_BYTES};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -138,6 +139,8 @@ pub(crate) struct Ctx {
     pub(crate) bg_bytes: u64,
     pub(crate) interrupted: Arc<AtomicBool>,
     pub(crate) busy: DiskBusy,
+    /// The machine's watch (`--stall-watch`): how late its threads woke over each slice.
+    pub(crate) stall: Option<StallWatch>,
 }
 
 /// The dispatcher stopped: the phase is over for this driver.
@@ -302,6 +305,10 @@ pub(crate) async fn run_slice(
     };
     let busy0 = ctx.busy.busy_ms();
     let ticks0 = cpu_ticks();
+    if let Some(watch) = &ctx.stall {
+        // From here on the watch counts for this slice.
+        watch.take();
+    }
     // The drivers start a little after now, so that starting them is not on the clock.
     let t0 = Instant::now() + Duration::from_millis(2);
     let give_up = t0 + slice * 4;
@@ -337,6 +344,7 @@ pub(crate) async fn run_slice(
         r.await;
     }
     let end = Instant::now();
+    let stall = ctx.stall.as_ref().and_then(StallWatch::take);
     stop.store(true, Ordering::Relaxed);
     let bg_bytes = rec.bg_bytes.load(Ordering::Relaxed);
     let busy1 = ctx.busy.busy_ms();
@@ -370,6 +378,7 @@ pub(crate) async fn run_slice(
         steal: ticks1
             .zip(ticks0)
             .map(|((s1, t1), (s0, t0))| (s1.saturating_sub(s0), t1.saturating_sub(t0))),
+        stall,
         fg_errors: rec.fg_errors.load(Ordering::Relaxed),
         fg_abandoned: rec.fg_abandoned.load(Ordering::Relaxed),
         bg_errors: rec.bg_errors.load(Ordering::Relaxed),

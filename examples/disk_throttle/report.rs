@@ -7,6 +7,7 @@ use hdrhistogram::Histogram;
 
 use crate::open_loop::Rounds;
 use crate::phases::Phase;
+use crate::stall::STALLED;
 
 pub(crate) fn new_hist() -> Histogram<u64> {
     Histogram::new_with_bounds(1, 600_000_000_000, 3).expect("constant bounds")
@@ -35,6 +36,9 @@ pub(crate) struct Row {
     pub(crate) busy_ms: Option<u64>,
     /// CPU clock ticks stolen by the hypervisor, and all, over the slice.
     pub(crate) steal: Option<(u64, u64)>,
+    /// How late the machine's watch threads woke at worst over the slice
+    /// ([`StallWatch`](crate::stall::StallWatch)).
+    pub(crate) stall: Option<Duration>,
     pub(crate) fg_errors: u64,
     pub(crate) fg_abandoned: u64,
     pub(crate) bg_errors: u64,
@@ -57,6 +61,8 @@ pub(crate) struct PhaseResult {
     pub(crate) backoffs: Option<u64>,
     pub(crate) busy_ms: Option<u64>,
     pub(crate) steal: Option<(u64, u64)>,
+    /// The watch's worst over the rounds.
+    pub(crate) stall: Option<Duration>,
     pub(crate) errors: (u64, u64, u64),
     pub(crate) rounds: Rounds,
 }
@@ -73,6 +79,7 @@ impl PhaseResult {
             backoffs: None,
             busy_ms: Some(0),
             steal: Some((0, 0)),
+            stall: None,
             errors: (0, 0, 0),
             rounds: Rounds::default(),
         }
@@ -92,6 +99,7 @@ impl PhaseResult {
             .steal
             .zip(r.steal)
             .map(|((s, t), (rs, rt))| (s + rs, t + rt));
+        self.stall = self.stall.max(r.stall);
         self.errors.0 += r.fg_errors;
         self.errors.1 += r.fg_abandoned;
         self.errors.2 += r.bg_errors;
@@ -121,6 +129,16 @@ fn fmt_backoffs(backoffs: Option<u64>) -> String {
     backoffs.map_or("–".to_owned(), |b| b.to_string())
 }
 
+/// The watch's worst wake-up, for the tables; "–" without a watch (`--stall-watch`).
+fn fmt_stall(stall: Option<Duration>) -> String {
+    stall.map_or("–".to_owned(), fmt_d)
+}
+
+/// The largest value recorded.
+pub(crate) fn max(h: &Histogram<u64>) -> Duration {
+    Duration::from_nanos(h.max())
+}
+
 pub(crate) fn q(h: &Histogram<u64>, q: f64) -> Duration {
     if h.is_empty() {
         Duration::ZERO
@@ -141,7 +159,7 @@ pub(crate) fn fmt_d(d: Duration) -> String {
 
 pub(crate) fn print_header() {
     println!(
-        "{:<11} {:>3} | {:>7} {:>10} {:>10} {:>10} {:>10} {:>12} | {:>8} | {:>5} {:>6} | {:>5}",
+        "{:<11} {:>3} | {:>7} {:>10} {:>10} {:>10} {:>10} {:>10} {:>12} | {:>8} | {:>5} {:>6} {:>9} | {:>5}",
         "phase",
         "rnd",
         "fg IOPS",
@@ -149,17 +167,19 @@ pub(crate) fn print_header() {
         "fg p99",
         "lag p99",
         "io p99",
+        "io max",
         "qwait p99",
         "bg MB/s",
         "util",
         "steal",
+        "stall",
         "b/o"
     );
 }
 
 pub(crate) fn print_row(r: &Row) {
     println!(
-        "{:<11} {:>3} | {:>7.0} {:>10} {:>10} {:>10} {:>10} {:>12} | {:>8.1} | {:>5} {:>6} | {:>5}",
+        "{:<11} {:>3} | {:>7.0} {:>10} {:>10} {:>10} {:>10} {:>10} {:>12} | {:>8.1} | {:>5} {:>6} {:>9} | {:>5}",
         r.phase.name(),
         r.round,
         r.fg.len() as f64 / r.elapsed.max(1e-9),
@@ -167,6 +187,7 @@ pub(crate) fn print_row(r: &Row) {
         fmt_d(q(&r.fg, 0.99)),
         fmt_d(q(&r.lag, 0.99)),
         fmt_d(q(&r.io, 0.99)),
+        fmt_d(max(&r.io)),
         r.fg_queue_p99.map_or("–".to_owned(), fmt_d),
         r.bg_mb_s(),
         r.busy_ms.map_or("?".to_owned(), |b| format!(
@@ -174,6 +195,7 @@ pub(crate) fn print_row(r: &Row) {
             b as f64 / (r.elapsed.max(1e-9) * 10.0)
         )),
         fmt_steal(r.steal),
+        fmt_stall(r.stall),
         fmt_backoffs(r.backoffs),
     );
 }
@@ -182,7 +204,7 @@ pub(crate) fn print_row(r: &Row) {
 pub(crate) fn print_phases(results: &[PhaseResult], target_p99: Duration) {
     println!();
     println!(
-        "{:<11} | {:>9} {:>9} {:>9} | {:>9} {:>9} | {:>9} {:>9} {:>9} | {:>8} {:>8} {:>8} | {:>5} {:>6} | {:>5}",
+        "{:<11} | {:>9} {:>9} {:>9} | {:>9} {:>9} | {:>9} {:>9} {:>9} {:>9} | {:>8} {:>8} {:>8} | {:>5} {:>6} {:>9} | {:>5}",
         "phase",
         "p50",
         "p99",
@@ -192,15 +214,17 @@ pub(crate) fn print_phases(results: &[PhaseResult], target_p99: Duration) {
         "lag p99",
         "io p50",
         "io p99",
+        "io max",
         "bg MB/s",
         "med",
         "worst",
         "util",
         "steal",
+        "stall",
         "b/o"
     );
     println!(
-        "{:<11} | {:>29} | {:>19} | {:>29} | {:>26} |",
+        "{:<11} | {:>29} | {:>19} | {:>39} | {:>26} |",
         "",
         "fg latency from arrival",
         "p99 over rounds",
@@ -209,7 +233,7 @@ pub(crate) fn print_phases(results: &[PhaseResult], target_p99: Duration) {
     );
     for r in results {
         println!(
-            "{:<11} | {:>9} {:>9} {:>9} | {:>9} {:>9} | {:>9} {:>9} {:>9} | {:>8.1} {:>8.1} {:>8.1} | {:>5} {:>6} | {:>5}",
+            "{:<11} | {:>9} {:>9} {:>9} | {:>9} {:>9} | {:>9} {:>9} {:>9} {:>9} | {:>8.1} {:>8.1} {:>8.1} | {:>5} {:>6} {:>9} | {:>5}",
             r.phase.name(),
             fmt_d(q(&r.fg, 0.5)),
             fmt_d(q(&r.fg, 0.99)),
@@ -219,12 +243,14 @@ pub(crate) fn print_phases(results: &[PhaseResult], target_p99: Duration) {
             fmt_d(q(&r.lag, 0.99)),
             fmt_d(q(&r.io, 0.5)),
             fmt_d(q(&r.io, 0.99)),
+            fmt_d(max(&r.io)),
             r.bg_mb_s(),
             r.rounds.median_bg(),
             r.rounds.worst_bg(),
             r.busy()
                 .map_or("?".to_owned(), |b| format!("{:.0}%", b * 100.0)),
             fmt_steal(r.steal),
+            fmt_stall(r.stall),
             fmt_backoffs(r.backoffs),
         );
         let (fe, fa, be) = r.errors;
@@ -246,6 +272,39 @@ pub(crate) fn print_phases(results: &[PhaseResult], target_p99: Duration) {
         ratio(p99(Phase::IoThrottle), p99(Phase::Plain)),
         fmt_d(target_p99),
         fmt_d(p99(Phase::Target)),
+    );
+}
+
+/// The slices to read with care: those where the machine's watch woke late (the machine, not
+/// the route, held things up) and those with a read that took long from issue to completion
+/// (one such read holds up its reader's next arrivals: the `lag` of the slice).
+pub(crate) fn print_outliers(rows: &[Row], watched: bool) {
+    let list = |pick: &dyn Fn(&Row) -> Option<Duration>| {
+        let hits: Vec<String> = rows
+            .iter()
+            .filter_map(|r| {
+                pick(r)
+                    .filter(|d| *d >= STALLED)
+                    .map(|d| format!("{} {} ({})", r.phase.name(), r.round, fmt_d(d)))
+            })
+            .collect();
+        if hits.is_empty() {
+            "none".to_owned()
+        } else {
+            hits.join(", ")
+        }
+    };
+    if watched {
+        println!(
+            "slices where the machine stalled (a watch thread woke {} late or more): {}",
+            fmt_d(STALLED),
+            list(&|r: &Row| r.stall)
+        );
+    }
+    println!(
+        "slices with a read of {} or more from issue to completion: {}",
+        fmt_d(STALLED),
+        list(&|r: &Row| Some(max(&r.io)))
     );
 }
 
