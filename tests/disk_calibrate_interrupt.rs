@@ -21,6 +21,11 @@ fn calibrating_child() {
     let Ok(dir) = std::env::var(CHILD_DIR) else {
         return;
     };
+    // The test is of Ctrl-C's default action. A shell without job control starts a background
+    // command with SIGINT ignored, and the disposition is inherited down to this process: take
+    // the default back, as a program run from a terminal has it.
+    // SAFETY: sets the disposition of one signal to its default; no handler is installed.
+    unsafe { libc::signal(libc::SIGINT, libc::SIG_DFL) };
     let options = CalibrateOptions {
         seconds: 5,
         file_size: 64 << 20,
