@@ -68,6 +68,10 @@ def kernel_reads(path):
     return done
 
 
+def fmt(x):
+    return "–" if x is None else "%.0f" % x
+
+
 def q(sorted_values, p):
     return sorted_values[min(len(sorted_values) - 1, int(len(sorted_values) * p))]
 
@@ -84,7 +88,6 @@ def main():
         v = sorted(x for _, x in reads[i:j])
         if not v:
             continue
-        fmt = lambda x: "–" if x is None else "%.0f" % x
         print("%-11s %3d | %6d %8.0f %8.0f %9.0f | %8s %9s | %s" % (
             phase, rnd, len(v), q(v, .5), q(v, .99), v[-1], fmt(io_p99), fmt(io_max),
             fmt(None if io_max is None else io_max - v[-1])))

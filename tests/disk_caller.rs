@@ -37,6 +37,20 @@ fn options(backend: Backend) -> FileOptions {
     }
 }
 
+/// A scratch directory (bound first by the caller, so dropped after the file), a dispatcher of
+/// [`dispatcher`], and a file in the directory on the io_uring backend.
+fn data_file() -> (tempfile::TempDir, Arc<Dispatcher>, Arc<ThrottledFile>) {
+    let dir = scratch();
+    let (d, class) = dispatcher();
+    let path = dir.path().join("data");
+    let f =
+        Arc::new(ThrottledFile::open(d.clone(), class, path, options(Backend::IoUring)).unwrap());
+    (dir, d, f)
+}
+
+/// The pieces one [`round_trip`] submits: 8 × (1 write + 2 reads) of one piece, then 64 + 64.
+const ROUND_TRIP_PIECES: u64 = 8 * 3 + 128;
+
 /// Writes and reads back blocks one piece at a time (each goes at once) while the shard is
 /// blocked, then a large transfer (more pieces than the bucket holds at once: some queue on the
 /// shard) once it is free again.
@@ -91,25 +105,16 @@ fn in_time<F: Future>(rt: &tokio::runtime::Runtime, f: F) -> F::Output {
 
 #[test]
 fn caller_dispatched_io_round_trips_on_a_current_thread_runtime_with_the_shard_blocked() {
-    let dir = scratch();
-    let (d, class) = dispatcher();
-    let path = dir.path().join("data");
-    let f =
-        Arc::new(ThrottledFile::open(d.clone(), class, path, options(Backend::IoUring)).unwrap());
+    let (_dir, d, f) = data_file();
     let rt = common::disk::rt_io();
     in_time(&rt, round_trip(d.clone(), f));
-    // 8 × (1 write + 2 reads) of one piece, then 64 + 64 pieces.
-    check_accounted(&d, &rt, 8 * 3 + 128);
+    check_accounted(&d, &rt, ROUND_TRIP_PIECES);
     d.shutdown();
 }
 
 #[test]
 fn caller_dispatched_io_round_trips_on_a_multi_thread_runtime_with_the_shard_blocked() {
-    let dir = scratch();
-    let (d, class) = dispatcher();
-    let path = dir.path().join("data");
-    let f =
-        Arc::new(ThrottledFile::open(d.clone(), class, path, options(Backend::IoUring)).unwrap());
+    let (_dir, d, f) = data_file();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(3)
         .enable_all()
@@ -117,7 +122,7 @@ fn caller_dispatched_io_round_trips_on_a_multi_thread_runtime_with_the_shard_blo
         .unwrap();
     let task = rt.spawn(round_trip(d.clone(), f));
     in_time(&rt, task).unwrap();
-    check_accounted(&d, &rt, 8 * 3 + 128);
+    check_accounted(&d, &rt, ROUND_TRIP_PIECES);
     d.shutdown();
 }
 
@@ -279,10 +284,7 @@ fn a_runtime_shut_down_mid_io_leaves_the_write_to_a_reaper_thread() {
 /// gets a ring reaped by the second: its I/O completes with the shard blocked.
 #[test]
 fn a_thread_moving_to_another_runtime_gets_a_ring_reaped_there() {
-    let dir = scratch();
-    let (d, class) = dispatcher();
-    let path = dir.path().join("data");
-    let f = ThrottledFile::open(d.clone(), class, path, options(Backend::IoUring)).unwrap();
+    let (_dir, d, f) = data_file();
     let first = common::disk::rt_io();
     let second = common::disk::rt_io();
     let blocked = block_shard(&d);
@@ -379,14 +381,10 @@ fn rt_parking_on_the_ring(max: Duration) -> (tokio::runtime::Runtime, Arc<Atomic
 /// (the shard blocked: nothing goes through it), and the hook did wait on the ring.
 #[test]
 fn caller_dispatched_io_round_trips_with_the_runtime_parking_on_the_ring() {
-    let dir = scratch();
-    let (d, class) = dispatcher();
-    let path = dir.path().join("data");
-    let f =
-        Arc::new(ThrottledFile::open(d.clone(), class, path, options(Backend::IoUring)).unwrap());
+    let (_dir, d, f) = data_file();
     let (rt, waits) = rt_parking_on_the_ring(Duration::from_secs(1));
     in_time(&rt, round_trip(d.clone(), f));
-    check_accounted(&d, &rt, 8 * 3 + 128);
+    check_accounted(&d, &rt, ROUND_TRIP_PIECES);
     assert!(
         waits.load(Ordering::SeqCst) > 0,
         "the runtime parked on the ring with I/O in flight"

@@ -262,8 +262,13 @@ fn shutdown_dispatches_what_is_queued() {
 #[test]
 fn shutdown_now_fails_what_is_queued() {
     let (d, c) = slow_with(slow_builder(2, true).clock(ManualClock::new()));
-    // The shards' first poll fills the bucket (polled for, not timed).
+    // The shards' first poll fills the bucket (polled for; the bound only stops a hang).
+    let waiting = std::time::Instant::now();
     while d.bucket_state().tokens() < 100 {
+        assert!(
+            waiting.elapsed() < std::time::Duration::from_secs(60),
+            "the bucket was never filled"
+        );
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
     let ran = Arc::new(AtomicU64::new(0));

@@ -9,6 +9,10 @@ use crate::open_loop::Rounds;
 use crate::phases::Phase;
 use crate::stall::STALLED;
 
+/// A read from issue to completion at least this long is listed after the tables: it held up
+/// its reader's next arrivals.
+const SLOW_READ: Duration = Duration::from_millis(5);
+
 pub(crate) fn new_hist() -> Histogram<u64> {
     Histogram::new_with_bounds(1, 600_000_000_000, 3).expect("constant bounds")
 }
@@ -279,12 +283,12 @@ pub(crate) fn print_phases(results: &[PhaseResult], target_p99: Duration) {
 /// the route, held things up) and those with a read that took long from issue to completion
 /// (one such read holds up its reader's next arrivals: the `lag` of the slice).
 pub(crate) fn print_outliers(rows: &[Row], watched: bool) {
-    let list = |pick: &dyn Fn(&Row) -> Option<Duration>| {
+    let list = |at_least: Duration, pick: &dyn Fn(&Row) -> Option<Duration>| {
         let hits: Vec<String> = rows
             .iter()
             .filter_map(|r| {
                 pick(r)
-                    .filter(|d| *d >= STALLED)
+                    .filter(|d| *d >= at_least)
                     .map(|d| format!("{} {} ({})", r.phase.name(), r.round, fmt_d(d)))
             })
             .collect();
@@ -298,13 +302,13 @@ pub(crate) fn print_outliers(rows: &[Row], watched: bool) {
         println!(
             "slices where the machine stalled (a watch thread woke {} late or more): {}",
             fmt_d(STALLED),
-            list(&|r: &Row| r.stall)
+            list(STALLED, &|r: &Row| r.stall)
         );
     }
     println!(
         "slices with a read of {} or more from issue to completion: {}",
-        fmt_d(STALLED),
-        list(&|r: &Row| Some(max(&r.io)))
+        fmt_d(SLOW_READ),
+        list(SLOW_READ, &|r: &Row| Some(max(&r.io)))
     );
 }
 
