@@ -80,13 +80,18 @@
 //! seen by the caller (the ring's wait returning; the read's task resumed), and `disk/ratios`
 //! prints per case its p50 and p99 and the ratio of its p99 to `direct_io_uring`'s at the same
 //! depth (`p99 ratio`). The quantiles are pooled over all rounds (every read of the case in one
-//! sample), not a median of per-round figures: a round holds 150 reads at depth 1, too few for
-//! a p99 of its own (it is the second-largest read), and the interleaving spreads the
-//! machine's drift over all cases alike. A pooled p99 is the tail a user sees, but one stall of
-//! the disk during one case's turn lands in that case alone; `p99 r/rnd`, the median over the
-//! rounds of the ratio of the round's p99s, is the figure such a stall cannot move (rough at
-//! depth 1 for the reason above, sound at depth 32's 1,500 reads a round). Read them together:
-//! where they disagree, a few rounds decided the pooled one.
+//! sample), and the interleaving spreads the machine's drift over all cases alike. A pooled p99
+//! is the tail a user sees, but one stall of the disk during one case's turn lands in that case
+//! alone; `p99 r/rnd`, the median over the rounds of the ratio of the round's p99s, is the
+//! figure such a stall cannot move (a round holds 1,500 reads at either depth, fifteen of them
+//! above its p99). Read them together: where they disagree, a few rounds decided the pooled
+//! one.
+//!
+//! At depth 1 a case's reads run one after another in one task (a request handler's point
+//! reads); deeper, each read is a task of its own. Either way the task that issues them is
+//! spawned on the case's runtime, as a server's handlers are: a current-thread runtime's
+//! `block_on` future looks at the I/O driver once more each time a task wakes it (one more
+//! `epoll_wait` a read), which no spawned task pays.
 //!
 //! For focused comparisons, `IOTHROTTLE_RATIOS_CASES` keeps only the named cases (commas; a
 //! name, or `name/depth`; `direct_io_uring` always stays), `IOTHROTTLE_RATIOS_DEPTH` only one
@@ -198,35 +203,56 @@ async fn timed(read: impl std::future::Future<Output = AlignedBuf>) -> Read {
     (buf, micros(start.elapsed()))
 }
 
-/// Starts a task for each offset with `spawn` (given a buffer and the offset), keeping `depth`
-/// of them running: each new one gets the buffer the last one to finish returned. Returns the
-/// reads' latencies.
-async fn keep_deep(
+/// Runs a read (`read`, given a buffer and the offset) for each offset, keeping `depth` of them
+/// in flight; returns their latencies. At depth 1 the reads run one after another in the
+/// calling task (a request handler's point reads); deeper, each read is a task of its own,
+/// started by `spawn`, and each new one gets the buffer the last one to finish returned.
+async fn keep_deep<Fut: std::future::Future<Output = AlignedBuf>>(
     depth: usize,
     offsets: &[u64],
-    mut spawn: impl FnMut(&mut JoinSet<Read>, AlignedBuf, u64),
+    mut read: impl FnMut(AlignedBuf, u64) -> Fut,
+    mut spawn: impl FnMut(&mut JoinSet<Read>, Fut),
 ) -> Vec<f64> {
-    let mut set = JoinSet::new();
     let mut lat = Vec::with_capacity(offsets.len());
+    if depth == 1 {
+        let mut buf = AlignedBuf::zeroed(ALIGN).unwrap();
+        for &off in offsets {
+            let (b, took) = timed(read(buf, off)).await;
+            lat.push(took);
+            buf = b;
+        }
+        return lat;
+    }
+    let mut set = JoinSet::new();
     let mut next = 0;
     while next < depth.min(offsets.len()) {
-        spawn(&mut set, AlignedBuf::zeroed(ALIGN).unwrap(), offsets[next]);
+        spawn(
+            &mut set,
+            read(AlignedBuf::zeroed(ALIGN).unwrap(), offsets[next]),
+        );
         next += 1;
     }
-    while let Some(read) = set.join_next().await {
-        let (buf, took) = read.unwrap();
+    while let Some(done) = set.join_next().await {
+        let (buf, took) = done.unwrap();
         lat.push(took);
         if next < offsets.len() {
-            spawn(&mut set, buf, offsets[next]);
+            spawn(&mut set, read(buf, offsets[next]));
             next += 1;
         }
     }
     lat
 }
 
-/// `iters` reads kept `depth` deep through the dispatcher. On a multi-thread runtime the reads'
-/// tasks and the loop that starts them run on its workers (a task of their own), as a server's
-/// request handlers do; on a current-thread runtime, on the benchmark thread.
+/// One 4 KiB read of `file` at `off` into `buf`; the buffer back.
+async fn read_4k(file: Arc<ThrottledFile>, buf: AlignedBuf, off: u64) -> AlignedBuf {
+    let (n, buf) = file.read_at(buf, off).await;
+    assert_eq!(n.unwrap(), ALIGN);
+    buf
+}
+
+/// `iters` reads kept `depth` deep through the dispatcher, from a task of their own on `rt` (its
+/// worker on a multi-thread runtime, the benchmark thread on a current-thread one), as a
+/// server's request handlers run.
 fn throttled(
     rt: &tokio::runtime::Runtime,
     file: &Arc<ThrottledFile>,
@@ -239,21 +265,18 @@ fn throttled(
     let start = Instant::now();
     let file = file.clone();
     let reads = async move {
-        keep_deep(depth, &offsets, |set, buf, off| {
-            let f = file.clone();
-            set.spawn(timed(async move {
-                let (n, buf) = f.read_at(buf, off).await;
-                let n = n.unwrap();
-                assert_eq!(n, ALIGN);
-                buf
-            }));
-        })
+        keep_deep(
+            depth,
+            &offsets,
+            |buf, off| read_4k(file.clone(), buf, off),
+            |set, read| drop(set.spawn(timed(read))),
+        )
         .await
     };
-    let took = match rt.handle().runtime_flavor() {
-        tokio::runtime::RuntimeFlavor::CurrentThread => rt.block_on(reads),
-        _ => rt.block_on(rt.spawn(reads)).unwrap(),
-    };
+    // A task of its own on either runtime, as a server's request handlers are (on a
+    // current-thread runtime the `block_on` future would pay the scheduler's extra look at the
+    // driver each time a task wakes it).
+    let took = rt.block_on(rt.spawn(reads)).unwrap();
     let elapsed = start.elapsed();
     lat.extend(took);
     elapsed
@@ -570,7 +593,7 @@ fn spawn_tokio_relay(fd: i32) -> Served {
 /// from its own task on `rt` (as [`throttled`] issues them).
 fn handed_off(
     rt: &tokio::runtime::Runtime,
-    send: impl Fn(FloorReq) + Clone + Send + 'static,
+    send: impl Fn(FloorReq) + Clone + Send + Sync + 'static,
     depth: usize,
     iters: u64,
     rng: &mut Rng,
@@ -578,16 +601,26 @@ fn handed_off(
 ) -> Duration {
     let offsets: Vec<u64> = (0..iters).map(|_| rng.offset()).collect();
     let start = Instant::now();
-    let took = rt.block_on(keep_deep(depth, &offsets, |set, buf, off| {
-        let send = send.clone();
-        set.spawn(timed(async move {
-            let (done, wait) = tokio::sync::oneshot::channel();
-            send((off, done));
-            assert_eq!(wait.await.unwrap(), ALIGN as i32);
-            // The thread reads into its own buffers: this one only keeps the helper's shape.
-            buf
-        }));
-    }));
+    let reads = async move {
+        keep_deep(
+            depth,
+            &offsets,
+            |buf, off| {
+                let send = send.clone();
+                async move {
+                    let (done, wait) = tokio::sync::oneshot::channel();
+                    send((off, done));
+                    assert_eq!(wait.await.unwrap(), ALIGN as i32);
+                    // The thread reads into its own buffers: this one only keeps the helper's shape.
+                    buf
+                }
+            },
+            |set, read| drop(set.spawn(timed(read))),
+        )
+        .await
+    };
+    // A task of its own, as in `throttled`.
+    let took = rt.block_on(rt.spawn(reads)).unwrap();
     let elapsed = start.elapsed();
     lat.extend(took);
     elapsed
@@ -595,7 +628,7 @@ fn handed_off(
 
 /// `iters` reads kept `depth` deep, issued from tasks running *on* the shard (thread-per-core
 /// use: the engine's code runs on the shards), so no request crosses threads: a task on the
-/// shard spawns one task per read on the shard's own runtime.
+/// shard issues them (at depth 1 itself, deeper one task per read on the shard's runtime).
 #[allow(clippy::too_many_arguments)] // the case's setting, then `throttled`'s arguments
 fn on_shard(
     rt: &tokio::runtime::Runtime,
@@ -612,15 +645,12 @@ fn on_shard(
     let job = d
         .submit(class, IoRequest::tokens(1), async move {
             let start = Instant::now();
-            let took = keep_deep(depth, &offsets, |set, buf, off| {
-                let f = f.clone();
-                set.spawn_local(timed(async move {
-                    let (n, buf) = f.read_at(buf, off).await;
-                    let n = n.unwrap();
-                    assert_eq!(n, ALIGN);
-                    buf
-                }));
-            })
+            let took = keep_deep(
+                depth,
+                &offsets,
+                |buf, off| read_4k(f.clone(), buf, off),
+                |set, read| drop(set.spawn_local(timed(read))),
+            )
             .await;
             (start.elapsed(), took)
         })
@@ -1023,29 +1053,27 @@ fn process_cpu_ns() -> u64 {
 /// threads' CPU use.
 fn ratios(cases: &mut [(&str, usize, Case<'_>)], rng: &mut Rng) {
     const ROUNDS: usize = 31;
+    // Reads per case and round, at either depth: fifteen above a round's p99.
+    const READS: usize = 1_500;
     let rounds = std::env::var("IOTHROTTLE_RATIOS_ROUNDS")
         .ok()
         .and_then(|r| r.parse().ok())
         .filter(|&r: &usize| r > 0)
         .unwrap_or(ROUNDS);
-    let reads = |depth: usize| if depth == 1 { 150 } else { 1_500 };
     let k = cases.len();
     let mut per_read = vec![Vec::with_capacity(rounds); k];
     let mut cpu = vec![Vec::with_capacity(rounds); k];
     let mut process_cpu = vec![Vec::with_capacity(rounds); k];
     // Every read's latency, pooled over the rounds.
-    let mut lat: Vec<Vec<f64>> = cases
-        .iter()
-        .map(|(_, depth, _)| Vec::with_capacity(rounds * reads(*depth)))
-        .collect();
+    let mut lat: Vec<Vec<f64>> = vec![Vec::with_capacity(rounds * READS); k];
     // Each round's own p99.
     let mut round_p99 = vec![Vec::with_capacity(rounds); k];
     // Nearest rank of a sorted, non-empty sample.
     let quantile =
         |v: &[f64], q: f64| v[((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1];
     // One warm-up round, not counted.
-    for (_, depth, run) in cases.iter_mut() {
-        run(reads(*depth) as u64 / 2, rng, &mut Vec::new());
+    for (_, _, run) in cases.iter_mut() {
+        run(READS as u64 / 2, rng, &mut Vec::new());
     }
     for _ in 0..rounds {
         // A fresh order each round, so that no case always follows the same one.
@@ -1054,8 +1082,8 @@ fn ratios(cases: &mut [(&str, usize, Case<'_>)], rng: &mut Rng) {
             order.swap(j, (rng.next() % (j as u64 + 1)) as usize);
         }
         for i in order {
-            let (_, depth, run) = &mut cases[i];
-            let n = reads(*depth) as u64;
+            let (_, _, run) = &mut cases[i];
+            let n = READS as u64;
             let before = shard_cpu_ns();
             let process_before = process_cpu_ns();
             let from = lat[i].len();
