@@ -17,7 +17,8 @@ pub(crate) const STALLED: Duration = Duration::from_millis(5);
 
 /// The watch threads, stopped and joined on drop.
 pub(crate) struct StallWatch {
-    /// Per CPU: the latest wake-up (ns past `PERIOD`) since the last [`StallWatch::take`].
+    /// Per CPU: how late its thread woke at worst (ns past `PERIOD`) since the last
+    /// [`StallWatch::take`].
     late: Arc<[AtomicU64]>,
     stop: Arc<AtomicBool>,
     threads: Vec<JoinHandle<()>>,
@@ -79,7 +80,8 @@ impl StallWatch {
         self.late.len()
     }
 
-    /// The latest wake-up on any CPU since the last call (`None` without CPUs to watch).
+    /// How late a watch thread woke at worst, on any CPU, since the last call (`None` without
+    /// CPUs to watch).
     pub(crate) fn take(&self) -> Option<Duration> {
         self.late
             .iter()
@@ -89,7 +91,7 @@ impl StallWatch {
     }
 }
 
-/// Keeps the latest wake-up of CPU slot `i`.
+/// Keeps the worst lateness of CPU slot `i`.
 fn note(late: &[AtomicU64], i: usize, over: Duration) {
     // Relaxed: a statistic, read whole by `take`'s swap.
     late[i].fetch_max(over.as_nanos() as u64, Ordering::Relaxed);

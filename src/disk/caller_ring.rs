@@ -24,8 +24,9 @@ use std::cell::RefCell;
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
 
-use io_uring::IoUring;
+use io_uring::{types, IoUring};
 use slab::Slab;
 use tokio::io::unix::{AsyncFd, AsyncFdReadyGuard};
 use tokio::io::Interest;
@@ -267,28 +268,13 @@ fn local_ring(rt: &Handle) -> Option<Arc<CallerRing>> {
         .flatten()
 }
 
-/// `io_uring_getevents_arg` (`IORING_ENTER_EXT_ARG`): a wait with a timeout.
-#[repr(C)]
-struct GetEventsArg {
-    sigmask: u64,
-    sigmask_sz: u32,
-    min_wait_usec: u32,
-    ts: u64,
-}
-
-/// `__kernel_timespec`.
-#[repr(C)]
-struct KernelTimespec {
-    tv_sec: i64,
-    tv_nsec: i64,
-}
-
 const IORING_ENTER_GETEVENTS: libc::c_uint = 1;
 const IORING_ENTER_EXT_ARG: libc::c_uint = 1 << 3;
 
 /// Sleeps on the calling thread's caller ring (see [`ThrottledFile`](super::ThrottledFile)'s
 /// caller dispatch) until one of its operations completes, for at most `max`; returns at once
-/// when the thread has no such ring or nothing in flight on it. Whether the thread waited.
+/// when the thread has no such ring or nothing in flight on it. Whether the thread waited
+/// (`false` also when the kernel refuses the wait: one older than 5.11 has no timed wait).
 ///
 /// Meant for a tokio runtime's [`on_thread_park`] hook, on a runtime whose threads do little
 /// but wait for disk reads:
@@ -314,7 +300,7 @@ const IORING_ENTER_EXT_ARG: libc::c_uint = 1 << 3;
 /// figures.
 ///
 /// [`on_thread_park`]: tokio::runtime::Builder::on_thread_park
-pub fn wait_for_completions(max: std::time::Duration) -> bool {
+pub fn wait_for_completions(max: Duration) -> bool {
     let ring = LOCAL
         .try_with(|l| {
             let l = l.try_borrow().ok()?;
@@ -326,23 +312,16 @@ pub fn wait_for_completions(max: std::time::Duration) -> bool {
     let Some(ring) = ring else {
         return false;
     };
-    if ring.lock().pending.is_empty() || max.is_zero() {
+    if max.is_zero() || ring.lock().pending.is_empty() {
         return false;
     }
-    let ts = KernelTimespec {
-        // Beyond `i64::MAX` seconds (some 292 billion years) the kernel takes no more.
-        tv_sec: i64::try_from(max.as_secs()).unwrap_or(i64::MAX),
-        tv_nsec: i64::from(max.subsec_nanos()),
-    };
-    let arg = GetEventsArg {
-        sigmask: 0,
-        sigmask_sz: 0,
-        min_wait_usec: 0,
-        ts: &ts as *const KernelTimespec as u64,
-    };
+    // Beyond `i64::MAX` seconds (some 292 billion years) the kernel takes no more.
+    let ts = types::Timespec::from(max.min(Duration::from_secs(i64::MAX as u64)));
+    let arg = types::SubmitArgs::new().timespec(&ts);
     // SAFETY: `ring.fd` is the ring's descriptor, open while `ring` (an `Arc`) is held; nothing
-    // is submitted (`to_submit` 0), so no entry is read; `arg` and the timespec it points to
-    // are live locals of the right layout and size for `IORING_ENTER_EXT_ARG`.
+    // is submitted (`to_submit` 0), so no entry is read; `arg` (`repr(transparent)` over
+    // `io_uring_getevents_arg`, the layout `IORING_ENTER_EXT_ARG` reads) and the timespec it
+    // points to are live locals.
     let r = unsafe {
         libc::syscall(
             libc::SYS_io_uring_enter,
@@ -350,13 +329,17 @@ pub fn wait_for_completions(max: std::time::Duration) -> bool {
             0 as libc::c_uint,
             1 as libc::c_uint,
             IORING_ENTER_GETEVENTS | IORING_ENTER_EXT_ARG,
-            &arg as *const GetEventsArg,
-            std::mem::size_of::<GetEventsArg>(),
+            &arg as *const types::SubmitArgs<'_, '_>,
+            std::mem::size_of_val(&arg),
         )
     };
-    // A timeout (`ETIME`), a signal or an error: the runtime's own poll follows either way.
-    let _ = r;
-    true
+    // A completion, the bound (`ETIME`) or a signal (`EINTR`) ends a wait; any other error (a
+    // kernel without `IORING_ENTER_EXT_ARG`, say) returns before one.
+    r >= 0
+        || matches!(
+            io::Error::last_os_error().raw_os_error(),
+            Some(libc::ETIME | libc::EINTR)
+        )
 }
 
 /// Runtimes found without an I/O driver (the most recent few): their callers keep the shards'
@@ -456,8 +439,6 @@ pub(super) fn try_issue(
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use io_uring::opcode;
 
     use super::*;
