@@ -26,7 +26,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
-use io_uring::{types, IoUring};
+use io_uring::{types, EnterFlags, IoUring};
 use slab::Slab;
 use tokio::io::unix::{AsyncFd, AsyncFdReadyGuard};
 use tokio::io::Interest;
@@ -268,9 +268,6 @@ fn local_ring(rt: &Handle) -> Option<Arc<CallerRing>> {
         .flatten()
 }
 
-const IORING_ENTER_GETEVENTS: libc::c_uint = 1;
-const IORING_ENTER_EXT_ARG: libc::c_uint = 1 << 3;
-
 /// Sleeps on the calling thread's caller ring (see [`ThrottledFile`](super::ThrottledFile)'s
 /// caller dispatch) until one of its operations completes, for at most `max`; returns at once
 /// when the thread has no such ring or nothing in flight on it. Whether the thread waited
@@ -318,6 +315,9 @@ pub fn wait_for_completions(max: Duration) -> bool {
     // Beyond `i64::MAX` seconds (some 292 billion years) the kernel takes no more.
     let ts = types::Timespec::from(max.min(Duration::from_secs(i64::MAX as u64)));
     let arg = types::SubmitArgs::new().timespec(&ts);
+    // Not `Submitter::submit_with_args`: a `Submitter` borrows the `IoUring` inside the lock,
+    // which the wait must not hold (issuers and the reaper take it), and it would submit what
+    // the issuers queue under that lock; this wait submits nothing.
     // SAFETY: `ring.fd` is the ring's descriptor, open while `ring` (an `Arc`) is held; nothing
     // is submitted (`to_submit` 0), so no entry is read; `arg` (`repr(transparent)` over
     // `io_uring_getevents_arg`, the layout `IORING_ENTER_EXT_ARG` reads) and the timespec it
@@ -328,7 +328,7 @@ pub fn wait_for_completions(max: Duration) -> bool {
             ring.fd,
             0 as libc::c_uint,
             1 as libc::c_uint,
-            IORING_ENTER_GETEVENTS | IORING_ENTER_EXT_ARG,
+            (EnterFlags::GETEVENTS | EnterFlags::EXT_ARG).bits(),
             &arg as *const types::SubmitArgs<'_, '_>,
             std::mem::size_of_val(&arg),
         )
