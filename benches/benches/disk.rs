@@ -60,8 +60,8 @@
 //!   yields its core. It is no floor: on a 2-core machine the spinning takes the core the
 //!   caller's thread and the kernel's completions need.
 //! - `throttled_file_on_shard`: the reads are issued from tasks running *on* the shard
-//!   (thread-per-core use: the engine's code runs on the shards), so only the completion is a
-//!   hop, inside the shard.
+//!   (thread-per-core use: the engine's code runs on the shards, started with
+//!   [`Dispatcher::spawn_on`]), so only the completion is a hop, inside the shard.
 //! - `throttled_file_on_shard_caller` (in `disk/ratios` only): the same on the dispatcher of
 //!   `throttled_file_caller` (the default caller dispatch): a read that may go at once is
 //!   issued by its task on the shard's ring and submitted there and then, without the shard's
@@ -105,6 +105,7 @@
 //! The scratch file (64 MiB) lives under the target directory, which must be on a real disk.
 //!
 //! [idle poll]: iothrottle::dispatcher::DispatcherBuilder::idle_poll
+//! [`Dispatcher::spawn_on`]: iothrottle::dispatcher::Dispatcher::spawn_on
 //! [`wait_for_completions`]: iothrottle::disk::wait_for_completions
 //! [`DispatcherBuilder::on_shard_start`]: iothrottle::dispatcher::DispatcherBuilder::on_shard_start
 //! [`DispatcherBuilder::caller_dispatch`]: iothrottle::dispatcher::DispatcherBuilder::caller_dispatch
@@ -119,7 +120,7 @@ use std::time::{Duration, Instant};
 use criterion::{BenchmarkId, Criterion};
 use io_uring::{opcode, types, IoUring};
 use iothrottle::disk::{AlignedBuf, Backend, FileOptions, ThrottledFile, ALIGN};
-use iothrottle::dispatcher::{ClassConfig, ClassId, DiskModel, Dispatcher, Figures, IoRequest};
+use iothrottle::dispatcher::{ClassConfig, ClassId, DiskModel, Dispatcher, Figures};
 use iothrottle::Rate;
 use tokio::task::JoinSet;
 
@@ -629,11 +630,9 @@ fn handed_off(
 /// `iters` reads kept `depth` deep, issued from tasks running *on* the shard (thread-per-core
 /// use: the engine's code runs on the shards), so no request crosses threads: a task on the
 /// shard issues them (at depth 1 itself, deeper one task per read on the shard's runtime).
-#[allow(clippy::too_many_arguments)] // the case's setting, then `throttled`'s arguments
 fn on_shard(
     rt: &tokio::runtime::Runtime,
     d: &Dispatcher,
-    class: ClassId,
     file: &Arc<ThrottledFile>,
     depth: usize,
     iters: u64,
@@ -642,8 +641,10 @@ fn on_shard(
 ) -> Duration {
     let offsets: Vec<u64> = (0..iters).map(|_| rng.offset()).collect();
     let f = file.clone();
+    // The engine's own task on the shard (`spawn_on`): charged no tokens, its reads issued
+    // from the shard's thread.
     let job = d
-        .submit(class, IoRequest::tokens(1), async move {
+        .spawn_on(0, move || async move {
             let start = Instant::now();
             let took = keep_deep(
                 depth,
@@ -834,24 +835,13 @@ pub fn disk(c: &mut Criterion) {
             cases.push((
                 "throttled_file_on_shard",
                 depth,
-                Box::new(move |n, rng, lat| {
-                    on_shard(rt, dispatcher, class, file, depth, n, rng, lat)
-                }),
+                Box::new(move |n, rng, lat| on_shard(rt, dispatcher, file, depth, n, rng, lat)),
             ));
             cases.push((
                 "throttled_file_on_shard_caller",
                 depth,
                 Box::new(move |n, rng, lat| {
-                    on_shard(
-                        rt,
-                        caller_dispatcher,
-                        caller_class,
-                        caller_file,
-                        depth,
-                        n,
-                        rng,
-                        lat,
-                    )
+                    on_shard(rt, caller_dispatcher, caller_file, depth, n, rng, lat)
                 }),
             ));
         }
@@ -935,7 +925,6 @@ pub fn disk(c: &mut Criterion) {
                 on_shard(
                     &rt,
                     &dispatcher,
-                    class,
                     &file,
                     depth,
                     iters,
