@@ -9,9 +9,9 @@ written by scripts/trace-shards), and prints per slice of each phase:
   run     the longest stretch a shard thread ran without switching out
   mig     how often a shard thread changed CPU
   disk    the device time of the 4 KiB reads (block_rq_issue to block_rq_complete): p99, max,
-          and how many reads it is taken over of those issued (`seen`): a kernel may fire
-          block_rq_complete for only some completions (on the benchmarks' VM: for 4 of 2,001
-          reads by `dd` at depth 1), and then the figures are a sample
+          and `seen`: the reads it is taken over, of those issued in the slice. A kernel may fire
+          block_rq_complete for only some completions (on the benchmarks' VM: for 4 or 5 of
+          2,000 reads by `dd` at depth 1), and then the figures are a sample
   culprits: for the delays over 1 ms, which tasks held the CPU meanwhile (ms, summed)
 
 Usage: trace-shards-report.py SCRIPT_TXT STDOUT_TXT [PID]
