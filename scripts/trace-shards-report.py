@@ -9,10 +9,16 @@ written by scripts/trace-shards), and prints per slice of each phase:
   run     the longest stretch a shard thread ran without switching out
   mig     how often a shard thread changed CPU
   disk    the device time of the 4 KiB reads (block_rq_issue to block_rq_complete): p99, max,
-          and `seen`: the reads it is taken over, of those issued in the slice. A kernel may fire
-          block_rq_complete for only some completions (on the benchmarks' VM: for 4 or 5 of
-          2,000 reads by `dd` at depth 1), and then the figures are a sample
+          and `seen`: the reads it is taken over, of those issued in the slice
   culprits: for the delays over 1 ms, which tasks held the CPU meanwhile (ms, summed)
+
+A trace can lack the events raised as a CPU leaves idle: on the benchmarks' VM, perf records
+block_rq_complete for 4 or 5 of 2,000 reads by `dd` at depth 1 with the CPUs idle and for all
+2,000 with a busy loop on each CPU, and the switches out of the idle task fall short of those
+into it. The wake-ups of threads onto an idle CPU and the completions taken there are then
+missing; the report says so above its table when the switches out of the idle task number
+under 95% of those into it. `<idle>` among the tasks that held a CPU may then be such a gap: a
+lost switch out of the idle task leaves the idle task on that CPU until the next one recorded.
 
 Usage: trace-shards-report.py SCRIPT_TXT STDOUT_TXT [PID]
 
@@ -127,12 +133,17 @@ def main():
     timeline = defaultdict(list)
     issued = {}  # (dev, sector) -> time a 4 KiB read was issued
     state = {}  # shard tid -> ("wait", t, kind) | ("run", t)
+    # Switches into and out of the idle task: equal in a complete trace (a CPU that goes idle
+    # leaves it again), fewer out of it where events raised as a CPU leaves idle are lost.
+    idle_in = idle_out = 0
     for t, cpu, ev, rest, tid, comm in events:
         if ev == "sched_switch":
             m = SWITCH.match(rest)
             if not m:
                 continue
             pp, np_ = int(m["pp"]), int(m["np"])
+            idle_in += np_ == 0
+            idle_out += pp == 0
             prev = cur.get(cpu)
             if prev is not None:
                 timeline[cpu].append((prev[2], t, label(prev[0], prev[1])))
@@ -212,6 +223,12 @@ def main():
         return "%.2f" % (x * 1e3)
 
     print("pid %d; times in ms; delays over 1 ms are attributed to the tasks on the CPU meanwhile" % pid_filter)
+    # A trace that lost the events raised as CPUs leave idle (the wake-ups of threads onto an
+    # idle CPU, the completions of its interrupts) undercounts: say so before the figures.
+    if idle_in and idle_out < 0.95 * idle_in:
+        print("incomplete trace: %d switches out of the idle task recorded against %d into it; the "
+              "wake-ups onto an idle CPU and the block completions taken there are mostly missing, "
+              "so `wakes` and `disk` cover the rest" % (idle_out, idle_in))
     print("%-11s %3s | %6s %6s %6s %6s %5s | %6s %6s %6s %5s | %5s %6s | %6s | %3s | %8s %6s %11s | %s" % (
         "phase", "rnd", "wakes", "p50", "p99", "max", ">1ms", "preem", "p99", "max", ">1ms",
         "D", "D max", "runmax", "mig", "disk p99", "max", "seen", "job row / culprits"))
