@@ -226,9 +226,9 @@ def main():
     # A trace that lost the events raised as CPUs leave idle (the wake-ups of threads onto an
     # idle CPU, the completions of its interrupts) undercounts: say so before the figures.
     if idle_in and idle_out < 0.95 * idle_in:
-        print("incomplete trace: %d switches out of the idle task recorded against %d into it; the "
-              "wake-ups onto an idle CPU and the block completions taken there are mostly missing, "
-              "so `wakes` and `disk` cover the rest" % (idle_out, idle_in))
+        print("incomplete trace: %d switches out of the idle task recorded against %d into it; "
+              "wake-ups onto an idle CPU and block completions taken there are missing from "
+              "`wakes` and `disk`" % (idle_out, idle_in))
     print("%-11s %3s | %6s %6s %6s %6s %5s | %6s %6s %6s %5s | %5s %6s | %6s | %3s | %8s %6s %11s | %s" % (
         "phase", "rnd", "wakes", "p50", "p99", "max", ">1ms", "preem", "p99", "max", ">1ms",
         "D", "D max", "runmax", "mig", "disk p99", "max", "seen", "job row / culprits"))
